@@ -1,0 +1,1 @@
+"""Tandem engine service: scheduler, paged KV cache, model runner and sampler."""

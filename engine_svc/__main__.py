@@ -1,0 +1,26 @@
+"""``tandem-engine``: start the engine service."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from engine_svc.config import EngineConfig, build_parser
+from tandem_common.logs import setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = EngineConfig.from_args(build_parser().parse_args(argv))
+    setup_logging(config.log_level, config.log_format)
+    if config.num_threads:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
+    from engine_svc.server import EngineServer
+
+    asyncio.run(EngineServer(config).serve_until_signal())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

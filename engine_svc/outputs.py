@@ -1,0 +1,88 @@
+"""Typed hand-offs between the engine's stages.
+
+    scheduler.schedule() -> SchedulerOutput -> model_runner.execute() -> ModelRunnerOutput
+    -> scheduler.update_from_output() -> list[EngineOutput] (what the servicer streams)
+
+No torch here: the scheduler and the servicer import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_svc.request import FinishReason, Logprob, Request, RequestError
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes tokens ``request.all_token_ids[start:start + num_new_tokens]``
+    where ``start = request.num_computed_tokens`` (not yet advanced: the scheduler moves
+    it forward in ``update_from_output``). ``block_ids`` is the request's whole block
+    table, already long enough for ``start + num_new_tokens`` tokens.
+    """
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a new one is due."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the model runner needs for one step, in batch order.
+
+    Decodes come first, then prefill chunks; the runner keeps that order in its
+    flattened token batch.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests preempted or finished since the last step: the runner drops per-request
+    # state it holds for them (seeded generators, penalty counts).
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request id: the sampled token (only for requests with ``needs_sample``),
+    its logprobs when asked, and prompt logprobs for the positions computed this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutput:
+    """What one request produced in one step; the servicer turns it into protobuf."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: RequestError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

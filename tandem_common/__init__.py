@@ -1,0 +1,1 @@
+"""Small pieces both services share (logging set-up); no torch, no protobuf."""

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code; regenerate with tools/gen_protos.py."""

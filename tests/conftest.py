@@ -1,0 +1,33 @@
+"""Shared fixtures: the demo model (built once per session) and service processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.services import start_engine, start_frontend
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory):
+    from engine_svc.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")
+
+
+@pytest.fixture
+def engine_proc(demo_model_dir):
+    proc = start_engine(demo_model_dir, "--num-kv-blocks", "512")
+    try:
+        yield proc.wait_serving()
+    finally:
+        proc.terminate()
+
+
+@pytest.fixture
+def pair(engine_proc):
+    """A running engine and a frontend connected to it."""
+    frontend = start_frontend(engine_proc.address)
+    try:
+        yield engine_proc, frontend.wait_serving()
+    finally:
+        frontend.terminate()

@@ -1,0 +1,106 @@
+"""Start real Tandem services as subprocesses on 127.0.0.1 for tests, and always stop them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+class ServiceProcess:
+    """One service process. Its log is kept in memory (``log()``) for assertions."""
+
+    def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None) -> None:
+        self.module = module
+        self.args = args
+        self.port: int | None = None
+        self._lines: list[str] = []
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--host", "127.0.0.1", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1, env=full_env, cwd=ROOT,
+        )
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self._lines.append(line)
+            m = _LISTENING.search(line)
+            if m and self.port is None:
+                self.port = int(m.group(2))
+
+    def log(self) -> str:
+        return "".join(self._lines)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_listening(self, timeout: float = 60.0) -> "ServiceProcess":
+        deadline = time.monotonic() + timeout
+        while self.port is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited ({self.proc.returncode}) before listening:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.module} did not listen within {timeout} s:\n{self.log()}")
+            time.sleep(0.02)
+        return self
+
+    def health(self, service: str = "") -> int | None:
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                return health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=2
+                ).status
+            except grpc.RpcError:
+                return None
+
+    def wait_serving(self, timeout: float = 120.0) -> "ServiceProcess":
+        self.wait_listening(timeout)
+        deadline = time.monotonic() + timeout
+        while self.health() != health_pb2.HealthCheckResponse.SERVING:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited ({self.proc.returncode}):\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.module} not SERVING within {timeout} s:\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._pump_thread.join(timeout=5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_engine(model_dir: Path | str, *extra: str, port: int = 0, env=None) -> ServiceProcess:
+    return ServiceProcess("engine_svc", ["--model", str(model_dir), "--port", str(port), *extra], env=env)
+
+
+def start_frontend(*engines: str, extra: tuple[str, ...] = (), port: int = 0, env=None) -> ServiceProcess:
+    args = [a for e in engines for a in ("--engine", e)]
+    return ServiceProcess("frontend_svc", [*args, "--port", str(port), *extra], env=env)
