@@ -1,0 +1,339 @@
+"""Scheduler: decides which requests advance by how many tokens in each step.
+
+There are no prefill and decode phases. Every request has ``num_computed_tokens``
+catching up with ``num_tokens``; a step hands out one budget of ``max_num_batched_tokens``
+tokens, first to running requests (a decode takes 1, a prompt still being prefilled takes
+its next chunk), then to waiting requests (their first chunk, after prefix-cache hits).
+
+    schedule() -> SchedulerOutput -> model runner -> update_from_output() -> EngineOutputs
+
+When KV blocks run out, a running request is preempted by recompute: its blocks go back,
+``num_computed_tokens`` drops to 0 and it waits at the front of the queue. Its blocks
+usually stay in the prefix cache, so the recompute is mostly hits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from engine_svc.kv_cache import KVCacheManager
+from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine_svc.request import ErrorCode, FinishReason, Request, RequestError, RequestStatus, check_stop
+
+logger = logging.getLogger(__name__)
+
+
+class FCFSRequestQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front.
+
+    A scheduling policy is its waiting queue plus ``victim_key``: the order requests are
+    admitted in, and the order they are preempted in (largest key first).
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def add_front(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+    @staticmethod
+    def victim_key(request: Request) -> tuple:
+        """The running request with the largest key is preempted first: the latest."""
+        return (request.arrival_time,)
+
+
+class PriorityRequestQueue:
+    """Waiting requests by (priority, arrival): a lower priority value is served first.
+
+    A preempted request needs no special place: its own (priority, arrival) puts it ahead
+    of every later arrival of its priority, which is the front it deserves.
+    """
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()  # ties on (priority, arrival) keep insertion order
+
+    def add(self, request: Request) -> None:
+        # The sequence number is unique, so comparisons never reach the Request itself.
+        bisect.insort(self._queue, (request.priority, request.arrival_time, next(self._seq), request))
+
+    add_front = add
+
+    def peek(self) -> Request:
+        return self._queue[0][3]
+
+    def pop(self) -> Request:
+        return self._queue.pop(0)[3]
+
+    def remove(self, request: Request) -> None:
+        self._queue = [e for e in self._queue if e[3] is not request]
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in self._queue)
+
+    @staticmethod
+    def victim_key(request: Request) -> tuple:
+        """Preempt the lowest priority (largest value) first, the latest among equals."""
+        return (request.priority, request.arrival_time)
+
+
+POLICIES = {"fcfs": FCFSRequestQueue, "priority": PriorityRequestQueue}
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {sorted(POLICIES)}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting: FCFSRequestQueue | PriorityRequestQueue = POLICIES[policy]()
+        self.running: list[Request] = []  # in admission order; all hold KV blocks
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.num_preemptions = 0
+        # Ids that ended or were preempted since the last schedule(): the runner drops their state.
+        self._finished_ids: set[str] = set()
+        # Outputs of requests refused outside update_from_output (too big for the pool);
+        # update_from_output hands them out, so the core must call it every step.
+        self._pending_outputs: list[EngineOutput] = []
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request. Duplicate ids are a caller bug, not a client error."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        if (message := self._too_big_for_pool(request)) is not None:
+            self._refuse(request, message)
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
+        """Abort waiting or running requests; unknown and finished ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(self._output(request))
+        return outputs
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._pending_outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        running_rows, budget, preempted = self._schedule_running(budget)
+        # After a preemption the pool is tight: admitting more would only thrash.
+        new_rows = [] if preempted else self._schedule_waiting(budget)
+        # Single-token rows (decodes) first, then multi-token chunks, as the runner expects.
+        rows = sorted(running_rows + new_rows, key=lambda s: s.num_new_tokens != 1)
+        finished_ids, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled=rows, finished_request_ids=finished_ids)
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int, bool]:
+        """Give running requests their next tokens in admission order, preempting by
+        recompute when blocks run out. Returns (rows, budget left, whether it preempted)."""
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted = False
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            if (message := self._too_big_for_pool(request)) is not None:  # outgrew the pool
+                self.running.remove(request)
+                self._refuse(request, message)
+                continue
+            while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = max(reversed(self.running), key=self.waiting.victim_key)
+                self._preempt(victim)
+                preempted = True
+                if victim.request_id in scheduled:  # give back the share it already got
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                if victim is request:
+                    break
+            if block_ids is not None:
+                scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids)
+                budget -= num_new
+        return list(scheduled.values()), budget, preempted
+
+    def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
+        """Admit waiting requests in queue order: prefix-cache hits, then a first chunk of
+        what is left of the budget. Stops at the first one that does not fit."""
+        rows = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if (message := self._too_big_for_pool(request)) is not None:
+                self.waiting.pop()
+                self._refuse(request, message)
+                continue
+            computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                break  # the head waits for blocks; later requests must not overtake it
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:  # first scheduling only; recomputes don't count
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            rows.append(ScheduledRequest(request, num_new, block_ids))
+            budget -= num_new
+        return rows
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for s in scheduler_output.scheduled:
+            request = s.request
+            if request.is_finished:  # aborted after schedule(): drop what the runner made
+                continue
+            request_id = request.request_id
+            needs_sample = s.needs_sample  # read before num_computed_tokens moves
+            request.num_computed_tokens += s.num_new_tokens
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
+            request.num_prompt_logprobs_done += len(prompt_logprobs)
+            new_token_ids, logprobs = [], []
+            if needs_sample:
+                token_id = runner_output.sampled_token_ids.get(request_id)
+                if token_id is None:
+                    # Without a token the request could never be scheduled again.
+                    logger.error("model runner returned no token for %s", request_id)
+                    message = "the model runner produced no token"
+                    outputs.append(self._finish_with_error(request, ErrorCode.INTERNAL, message))
+                    continue
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if (logprob := runner_output.logprobs.get(request_id)) is not None:
+                    logprobs.append(logprob)
+                check_stop(request, self.max_model_len)
+            self.kv_cache_manager.cache_full_blocks(request)
+            if request.is_finished:
+                self._finish(request, request.finish_reason)
+            if new_token_ids or prompt_logprobs or request.is_finished:
+                outputs.append(self._output(request, new_token_ids, logprobs, prompt_logprobs))
+        if any(r.is_finished for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._finished_ids.add(request.request_id)
+        self.waiting.add_front(request)
+        logger.debug("preempted %s (recompute later); %d preemptions so far", request, self.num_preemptions)
+
+    def _too_big_for_pool(self, request: Request) -> str | None:
+        """Why ``request`` can never run, or None. A request must hold the blocks of all
+        its tokens at once to produce its next token; if the whole pool is smaller, it is
+        refused rather than preempting everyone else for nothing."""
+        kv = self.kv_cache_manager
+        num_needed = -(-request.num_tokens // kv.block_size)
+        if num_needed <= kv.num_blocks:
+            return None
+        return (
+            f"the request needs {num_needed} KV blocks for {request.num_tokens} tokens "
+            f"(block size {kv.block_size}) but the whole KV cache has {kv.num_blocks} blocks"
+        )
+
+    def _refuse(self, request: Request, message: str) -> None:
+        """Finish a request that can never run; its output goes out with the next update."""
+        self._pending_outputs.append(self._finish_with_error(request, ErrorCode.RESOURCE_EXHAUSTED, message))
+
+    def _finish_with_error(self, request: Request, code: ErrorCode, message: str) -> EngineOutput:
+        """Finish ``request`` with an in-band error; the caller takes it out of the queues."""
+        logger.warning("request %s failed: %s", request.request_id, message)
+        request.finish(FinishReason.ERROR, error=RequestError(code, message))
+        self._finish(request, FinishReason.ERROR)
+        return self._output(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Release everything a finished request holds. The caller removes it from
+        ``running``/``waiting``."""
+        if not request.is_finished:
+            request.finish(reason)
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    @staticmethod
+    def _output(request: Request, new_token_ids=(), logprobs=(), prompt_logprobs=()) -> EngineOutput:
+        finished = request.is_finished
+        return EngineOutput(
+            request.request_id,
+            new_token_ids=list(new_token_ids),
+            logprobs=list(logprobs),
+            prompt_logprobs=list(prompt_logprobs),
+            finish_reason=request.finish_reason if finished else None,
+            stop_token_id=request.stop_token_id if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            error=request.error,
+        )
