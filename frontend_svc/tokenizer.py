@@ -1,0 +1,298 @@
+"""Text <-> token ids for the frontend, loaded from a Hugging Face tokenizer directory.
+
+Files read (only ``tokenizer.json`` is required):
+
+    tokenizer.json            the fast tokenizer: normalizer, model, decoder, post-processor
+    tokenizer_config.json     bos/eos tokens, add_bos_token/add_eos_token, chat_template
+    special_tokens_map.json   bos/eos tokens when tokenizer_config.json does not name them
+    chat_template.jinja       chat template (wins over the other two sources)
+    chat_template.json        {"chat_template": ...} (older transformers releases)
+    generation_config.json    extra eos_token_id values (Llama-3 lists several)
+
+Why `tokenizers` + jinja2 rather than transformers' ``PreTrainedTokenizerFast``: on the
+2-core dev machine ``import transformers`` alone takes ~2.9 s against ~0.3 s for
+``import tokenizers, jinja2``, and the transformers wrapper adds Python overhead on every
+decode, which the streaming path calls twice per output token. The behaviour the
+frontend needs (encode with the post-processor, decode, a sandboxed chat template) is
+small enough to own here; tests/frontend/test_tokenizer.py checks it against
+transformers on the same files.
+
+Decoding is the raw ``tokenizers`` decode: ``clean_up_tokenization_spaces`` is ignored on
+purpose, because that clean-up rewrites text already streamed (" ." -> ".") and so could
+never match what the incremental detokenizer sends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import tokenizers
+
+# The files a frontend needs; the engine hands out whichever of these it has.
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+class Tokenizer:
+    """A fast tokenizer plus the bits of tokenizer_config.json that serving needs."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        config: Mapping[str, Any] | None = None,
+        special_tokens_map: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+        generation_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        config = dict(config or {})
+        special_tokens_map = dict(special_tokens_map or {})
+        self.backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+        def token(name: str) -> str | None:
+            return _token_content(config.get(name)) or _token_content(special_tokens_map.get(name))
+
+        self.bos_token = token("bos_token")
+        self.eos_token = token("eos_token")
+        self.unk_token = token("unk_token")
+        self.pad_token = token("pad_token")
+        self.bos_token_id: int | None = self._id_of(self.bos_token)
+
+        eos_ids: list[int] = []
+        eos_id = self._id_of(self.eos_token)
+        if eos_id is not None:
+            eos_ids.append(eos_id)
+        extra = (generation_config or {}).get("eos_token_id")
+        for i in [extra] if isinstance(extra, int) else (extra or []):
+            if isinstance(i, int) and i not in eos_ids:
+                eos_ids.append(i)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
+
+        # "Special" as `tokenizers` means it: added tokens flagged special, which are the
+        # ones decode(skip_special_tokens=True) drops.
+        self.all_special_ids: frozenset[int] = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        self.byte_fallback_bytes: dict[int, int] = _byte_fallback_bytes(backend)
+
+        # Explicit add_bos_token/add_eos_token win over the post-processor, as in
+        # transformers' Llama/Gemma tokenizers, which rebuild their post-processor from them.
+        self._add_bos: bool | None = config.get("add_bos_token")
+        self._add_eos: bool | None = config.get("add_eos_token")
+
+        self._chat_template_source = chat_template
+        self._compiled_template: jinja2.Template | None = None
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        files: dict[str, bytes] = {}
+        for name in TOKENIZER_FILE_NAMES:
+            full = os.path.join(path, name)
+            if os.path.isfile(full):
+                with open(full, "rb") as f:
+                    files[name] = f.read()
+        if "tokenizer.json" not in files:
+            raise ValueError(
+                f"{os.fspath(path)!r} has no tokenizer.json; only fast (tokenizers) "
+                "tokenizers are supported: save one with transformers' save_pretrained()"
+            )
+        return cls.from_files(files)
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes]) -> Tokenizer:
+        """Builds from file contents keyed by file name (as fetched from an engine)."""
+        if "tokenizer.json" not in files:
+            raise ValueError("tokenizer files must include tokenizer.json")
+        backend = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        config = _json_file(files, "tokenizer_config.json")
+        special_tokens_map = _json_file(files, "special_tokens_map.json")
+        generation_config = _json_file(files, "generation_config.json")
+
+        template: Any = None
+        if "chat_template.jinja" in files:
+            template = files["chat_template.jinja"].decode("utf-8")
+        elif "chat_template.json" in files:
+            template = _json_file(files, "chat_template.json").get("chat_template")
+        else:
+            template = config.get("chat_template")
+        return cls(backend, config, special_tokens_map, _pick_template(template), generation_config)
+
+    # ------------------------------------------------------------------ ids <-> text
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Text from a chat template already carries its BOS:
+        encode it with ``add_special_tokens=False``."""
+        if not add_special_tokens or (self._add_bos is None and self._add_eos is None):
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self._add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        if self._add_eos and self.eos_token_ids:
+            ids.append(self.eos_token_ids[0])
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; raises ValueError for ids outside the vocabulary."""
+        ids = list(token_ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    # ------------------------------------------------------------------ chat
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template_source is not None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Renders ``messages`` with the model's chat template (a sandboxed jinja2
+        environment set up like transformers'). Extra keyword arguments (``tools``,
+        ``enable_thinking`` ...) become template variables. Any failure, including the
+        template's own ``raise_exception``, is a ValueError."""
+        if self._chat_template_source is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template; send a text prompt instead"
+            )
+        if self._compiled_template is None:
+            try:
+                self._compiled_template = _jinja_env().from_string(self._chat_template_source)
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the model's chat template does not compile: {e}") from e
+        variables = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "unk_token": self.unk_token or "",
+            "pad_token": self.pad_token or "",
+            **template_kwargs,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._compiled_template.render(**variables)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+        except (TypeError, KeyError, AttributeError, IndexError) as e:
+            raise ValueError(f"chat template could not render these messages: {e!r}") from e
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _json_file(files: Mapping[str, bytes], name: str) -> dict[str, Any]:
+    if name not in files:
+        return {}
+    try:
+        value = json.loads(files[name].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from e
+    return value if isinstance(value, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json spells tokens as a string or as a serialised AddedToken."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(template: Any) -> str | None:
+    """A template is a string, or a list of {"name", "template"} of which "default" is used."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+def _byte_fallback_bytes(backend: tokenizers.Tokenizer) -> dict[int, int]:
+    """Token id -> byte value of the ``<0xNN>`` tokens when the decoder has a ByteFallback
+    stage, else empty.
+
+    The detokenizer needs them: ByteFallback turns a whole run of byte tokens into U+FFFD
+    when the run is not valid UTF-8, so text from an unfinished run may still change."""
+    decoder = backend.decoder
+    if decoder is None or "ByteFallback" not in _decoder_types(json.loads(decoder.__getstate__())):
+        return {}
+    ids = {b: backend.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    return {i: b for b, i in ids.items() if i is not None}
+
+
+def _decoder_types(node: Any) -> Iterable[str]:
+    if isinstance(node, dict):
+        if isinstance(node.get("type"), str):
+            yield node["type"]
+        for child in node.get("decoders") or ():
+            yield from _decoder_types(child)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers some templates
+    carry) renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _render(caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+_ENV: jinja2.sandbox.ImmutableSandboxedEnvironment | None = None
+
+
+def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    # Same options and helpers as transformers' chat-template renderer, so templates
+    # written for it render identically.
+    global _ENV
+    if _ENV is None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        _ENV = env
+    return _ENV
