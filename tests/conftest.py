@@ -14,8 +14,9 @@ def demo_model_dir(tmp_path_factory):
     return build_demo_model(tmp_path_factory.mktemp("demo") / "demo-model")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def engine_proc(demo_model_dir):
+    """One engine per test module; tests leave it idle (every request finished or aborted)."""
     proc = start_engine(demo_model_dir, "--num-kv-blocks", "512")
     try:
         yield proc.wait_serving()
@@ -23,7 +24,7 @@ def engine_proc(demo_model_dir):
         proc.terminate()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pair(engine_proc):
     """A running engine and a frontend connected to it."""
     frontend = start_frontend(engine_proc.address)

@@ -1,0 +1,96 @@
+"""Prometheus metrics of the engine, served on ``--metrics-port``.
+
+Gauges and step figures are updated once per step (``EngineLoop.on_step``); request
+figures come from lifecycle events (``RequestListener``), so requests refused at once
+(invalid, queue full, draining) count too. docs/observability.md lists every metric.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine_svc.core import EngineCore
+from engine_svc.engine_loop import EngineLoop
+from engine_svc.lifecycle import RequestListener, RequestTimeline
+from engine_svc.outputs import EngineOutput
+from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
+
+
+class EngineMetrics(RequestListener):
+    def __init__(self, port: int, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or new_registry()
+        r = self.registry
+        self.running = Gauge("tandem_engine_requests_running", "Requests being computed", registry=r)
+        self.waiting = Gauge("tandem_engine_requests_waiting", "Requests queued", registry=r)
+        self.kv_usage = Gauge("tandem_engine_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.hit_rate = Gauge("tandem_engine_prefix_cache_hit_ratio",
+                              "Fraction of queried prompt tokens served from the prefix cache", registry=r)
+        self.step_time = Histogram("tandem_engine_step_duration_seconds", "Duration of one engine step",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("tandem_engine_step_batch_tokens", "Tokens computed per step",
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.preemptions = Counter("tandem_engine_preemptions_total", "Requests preempted for recompute", registry=r)
+        self.generated = Counter("tandem_engine_generation_tokens_total", "Tokens generated", registry=r)
+        self.prompt = Counter("tandem_engine_prompt_tokens_total",
+                              "Prompt tokens of requests admitted for the first time", registry=r)
+        self.prompt_cached = Counter("tandem_engine_prompt_tokens_cached_total",
+                                     "Prompt tokens served from the prefix cache at first admission", registry=r)
+        self.finished = Counter("tandem_engine_requests_finished_total", "Finished requests by reason",
+                                ["finish_reason"], registry=r)
+        self.queue_time = Histogram("tandem_engine_request_queue_time_seconds",
+                                    "Time from arrival in the engine to first admission", buckets=LATENCY_BUCKETS,
+                                    registry=r)
+        self.ttft = Histogram("tandem_engine_time_to_first_token_seconds",
+                              "Time from arrival in the engine to the first output token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("tandem_engine_e2e_request_latency_seconds",
+                             "Time from arrival in the engine to the end of the request", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.request_prompt = Histogram("tandem_engine_request_prompt_tokens", "Prompt tokens per finished request",
+                                        buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation = Histogram("tandem_engine_request_generation_tokens",
+                                            "Output tokens per finished request", buckets=TOKEN_BUCKETS, registry=r)
+        self._preemptions_seen = 0
+        self.port = port
+        if port:
+            serve_metrics(port, r)
+
+    def attach(self, engine: EngineLoop) -> None:
+        """Start observing ``engine``; call before ``engine.start()``."""
+        engine.on_step = self.observe
+        engine.add_listener(self)
+
+    def observe(self, core: EngineCore, outputs: list[EngineOutput]) -> None:
+        sched, kv = core.scheduler, core.kv_cache
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(kv.usage)
+        self.hit_rate.set(kv.prefix_cache_hit_rate)
+        self.step_time.observe(core.last_step_s)
+        self.batch_tokens.observe(core.last_batch_tokens)
+        new = sched.num_preemptions - self._preemptions_seen
+        if new > 0:
+            self.preemptions.inc(new)
+            self._preemptions_seen = sched.num_preemptions
+        num_generated = sum(len(out.new_token_ids) for out in outputs)
+        if num_generated:
+            self.generated.inc(num_generated)
+
+    # -- lifecycle events --------------------------------------------------------------
+
+    def on_scheduled(self, timeline: RequestTimeline) -> None:
+        request = timeline.request
+        self.queue_time.observe(timeline.queue_time_s)
+        self.prompt.inc(request.num_prompt_tokens)
+        if request.num_cached_tokens > 0:
+            self.prompt_cached.inc(request.num_cached_tokens)
+
+    def on_first_token(self, timeline: RequestTimeline) -> None:
+        self.ttft.observe(timeline.time_to_first_token_s)
+
+    def on_finished(self, timeline: RequestTimeline, output: EngineOutput) -> None:
+        reason = output.finish_reason.value if output.finish_reason is not None else "unknown"
+        self.finished.labels(reason).inc()
+        self.e2e.observe(timeline.e2e_s)
+        self.request_prompt.observe(timeline.request.num_prompt_tokens)
+        self.request_generation.observe(timeline.request.num_output_tokens)

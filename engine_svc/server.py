@@ -1,0 +1,193 @@
+"""The engine's gRPC server: EngineService, grpc.health.v1 and reflection.
+
+Start-up: the server listens at once with health NOT_SERVING, loads the weights and runs
+a warm-up step off the event loop, then turns SERVING. Shutdown (SIGTERM/SIGINT):
+NOT_SERVING at once, new adds get in-band UNAVAILABLE, running requests get up to
+``shutdown_timeout`` seconds to finish, the rest are aborted, then the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_svc.config import EngineConfig
+from engine_svc.servicer import EngineServicer
+from tandem_common.tracing import setup_tracing
+from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Long-lived streams: accept client keepalive pings every 10 s without GOAWAY.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_credentials(cert: str | None, key: str | None, ca: str | None) -> grpc.ServerCredentials | None:
+    if not cert:
+        return None
+    if not key:
+        raise SystemExit("--tls-cert needs --tls-key")
+    root = Path(ca).read_bytes() if ca else None
+    return grpc.ssl_server_credentials(
+        [(Path(key).read_bytes(), Path(cert).read_bytes())], root_certificates=root, require_client_auth=root is not None
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def model_info(core, config: EngineConfig) -> engine_pb2.GetModelInfoResponse:
+    runner = core.runner
+    info = engine_pb2.GetModelInfoResponse(
+        model_name=core.model_name,
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
+        eos_token_ids=list(core.eos_token_ids),
+        dtype=config.dtype,
+        block_size=config.block_size,
+        num_kv_blocks=runner.num_kv_blocks,
+        kv_capacity_tokens=runner.num_kv_blocks * config.block_size,
+        architecture=runner.model_args.architecture,
+        device=config.device,
+    )
+    if runner.bos_token_id is not None:
+        info.bos_token_id = runner.bos_token_id
+    return info
+
+
+class EngineServer:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.servicer = EngineServicer()
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.engine = None
+        self.tracer_provider = None  # set when tracing is on
+        self.port = 0
+        self._stopping = asyncio.Event()
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.server = grpc.aio.server(options=server_options(cfg.max_message_bytes))
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{cfg.host}:{cfg.port}"
+        creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+        self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
+        await self.server.start()
+        logger.info("listening on %s:%d (%s)", cfg.host, self.port, "TLS" if creds else "plaintext")
+        if creds is None and not _is_loopback(cfg.host):
+            logger.warning(
+                "the engine listens on %s without TLS: anyone who can reach this port can generate text "
+                "and read the tokenizer. Use mutual TLS (--tls-cert/--tls-key/--tls-ca) or restrict the port "
+                "to frontends (the Helm chart's NetworkPolicy does this).", cfg.host,
+            )
+
+    async def load(self) -> None:
+        """Load the model and warm up off the event loop, then turn SERVING."""
+        from engine_svc.core import EngineCore
+        from engine_svc.engine_loop import EngineLoop
+
+        cfg = self.config
+        t0 = time.perf_counter()
+        core = await asyncio.to_thread(EngineCore, cfg)
+        await asyncio.to_thread(core.warmup)
+        self.engine = EngineLoop(core, max_waiting=cfg.max_waiting)
+        self._observe(self.engine, core.model_name)
+        self.engine.start()
+        self.servicer.attach(self.engine, model_info(core, cfg), core.model_dir)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving (ready %.2f s after start of loading)", time.perf_counter() - t0)
+
+    def _observe(self, engine, model_name: str) -> None:
+        """Metrics and tracing, each only when turned on (otherwise nothing is attached)."""
+        cfg = self.config
+        if cfg.metrics_port:
+            from engine_svc.metrics import EngineMetrics
+
+            EngineMetrics(cfg.metrics_port).attach(engine)
+            logger.info("metrics on :%d/metrics", cfg.metrics_port)
+        self.tracer_provider = setup_tracing("tandem-engine", cfg.otlp_endpoint)
+        if self.tracer_provider is not None:
+            from engine_svc.tracing import RequestTracer
+
+            engine.add_listener(RequestTracer(self.tracer_provider.get_tracer("engine_svc"), model_name))
+
+    async def drain_and_stop(self) -> None:
+        cfg = self.config
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.engine is not None:
+            self.engine.start_draining()
+            deadline = time.monotonic() + cfg.shutdown_timeout
+            while self.engine.num_unfinished() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            left = self.engine.num_unfinished()
+            if left:
+                logger.warning("shutdown timeout: aborting %d unfinished requests", left)
+                self.engine.abort_all()
+                await asyncio.sleep(0.1)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self.engine is not None:
+            self.engine.stop()
+        if self.tracer_provider is not None:
+            await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the last spans
+        logger.info("stopped")
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def serve_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        load_task = asyncio.create_task(self.load())
+        stop_task = asyncio.create_task(self._stopping.wait())
+        done, _ = await asyncio.wait({load_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if load_task in done and load_task.exception() is not None:
+            logger.error("failed to load the model: %s", load_task.exception())
+            await self.server.stop(grace=None)
+            raise SystemExit(1)
+        await stop_task
+        if not load_task.done():
+            load_task.cancel()
+        logger.info("shutting down: draining up to %.0f s", self.config.shutdown_timeout)
+        await self.drain_and_stop()

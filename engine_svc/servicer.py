@@ -1,0 +1,186 @@
+"""EngineService over gRPC: the only engine module that knows protobuf.
+
+It converts control messages into plain commands for the EngineLoop and per-step
+EngineOutputs back into StreamResponses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+
+import grpc
+
+from engine_svc.engine_loop import AddCommand, EngineLoad, EngineLoop
+from engine_svc.outputs import EngineOutput
+from engine_svc.request import ErrorCode, FinishReason, Logprob, SamplingParams
+from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
+from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+    "generation_config.json",
+)
+TOKENIZER_CHUNK_BYTES = 1 << 20
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+_ERROR = {
+    ErrorCode.INVALID_ARGUMENT: pb.ERROR_CODE_INVALID_ARGUMENT,
+    ErrorCode.RESOURCE_EXHAUSTED: pb.ERROR_CODE_RESOURCE_EXHAUSTED,
+    ErrorCode.UNAVAILABLE: pb.ERROR_CODE_UNAVAILABLE,
+    ErrorCode.INTERNAL: pb.ERROR_CODE_INTERNAL,
+}
+
+
+def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        logit_bias=dict(p.logit_bias),
+    )
+
+
+def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def output_to_proto(out: EngineOutput) -> pb.RequestOutput:
+    msg = pb.RequestOutput(
+        request_id=out.request_id,
+        new_token_ids=out.new_token_ids,
+        finish_reason=_FINISH[out.finish_reason],
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+    if out.logprobs:
+        msg.logprobs.extend(_logprob_to_proto(lp) for lp in out.logprobs)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprob_to_proto(lp) for lp in out.prompt_logprobs)
+    if out.stop_token_id is not None:
+        msg.stop_token_id = out.stop_token_id
+    if out.error is not None:
+        msg.error.CopyFrom(pb.Error(code=_ERROR[out.error.code], message=out.error.message, field=out.error.field))
+    return msg
+
+
+def load_to_proto(load: EngineLoad) -> pb.EngineLoad:
+    return pb.EngineLoad(
+        num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_used_blocks=load.num_used_blocks,
+        draining=load.draining,
+    )
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """Serves one EngineLoop. ``loop`` is None until the model is loaded and warmed up."""
+
+    def __init__(self) -> None:
+        self.engine: EngineLoop | None = None
+        self.model_info: pb.GetModelInfoResponse | None = None
+        self.model_dir: Path | None = None
+
+    def attach(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse, model_dir: Path) -> None:
+        self.engine, self.model_info, self.model_dir = engine, model_info, model_dir
+
+    async def _require_engine(self, context) -> EngineLoop:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model; retry shortly")
+        return self.engine
+
+    async def Stream(self, request_iterator, context):
+        engine = await self._require_engine(context)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        sid = engine.open_stream(lambda outs, load: loop.call_soon_threadsafe(queue.put_nowait, (outs, load)))
+        reader = asyncio.create_task(self._read_commands(engine, sid, request_iterator))
+        try:
+            while True:
+                outs, load = await queue.get()
+                if outs is None:
+                    return
+                batch = list(outs)
+                # A reader that fell behind gets the queued steps merged into one message.
+                done = False
+                while not queue.empty():
+                    more, load = queue.get_nowait()
+                    if more is None:
+                        done = True
+                        break
+                    batch.extend(more)
+                yield pb.StreamResponse(outputs=[output_to_proto(o) for o in batch], load=load_to_proto(load))
+                if done:
+                    return
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()
+        finally:
+            reader.cancel()
+            engine.close_stream(sid)
+
+    async def _read_commands(self, engine: EngineLoop, sid: int, request_iterator) -> None:
+        try:
+            async for msg in request_iterator:
+                action = msg.WhichOneof("action")
+                if action == "add":
+                    add = msg.add
+                    engine.add(sid, AddCommand(
+                        request_id=add.request_id,
+                        prompt_token_ids=list(add.prompt_token_ids),
+                        sampling_params=sampling_params_from_proto(add.sampling_params),
+                        priority=add.priority,
+                        arrival_time=add.arrival_time or None,
+                        trace_context=dict(add.trace_context),
+                    ))
+                elif action == "abort":
+                    engine.abort(sid, list(msg.abort.request_ids))
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            engine.close_stream(sid)
+            raise
+        engine.half_close(sid)
+
+    async def GetModelInfo(self, request, context):
+        await self._require_engine(context)
+        return self.model_info
+
+    async def GetLoad(self, request, context):
+        engine = await self._require_engine(context)
+        return pb.GetLoadResponse(load=load_to_proto(engine.load()))
+
+    async def GetTokenizer(self, request, context):
+        await self._require_engine(context)
+        files = [self.model_dir / name for name in TOKENIZER_FILES if (self.model_dir / name).is_file()]
+        if not files:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tokenizer files in {self.model_dir.name}")
+        for path in files:
+            data = path.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            for offset in range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES):
+                yield pb.GetTokenizerResponse(
+                    file_name=path.name, offset=offset, data=data[offset:offset + TOKENIZER_CHUNK_BYTES],
+                    total_size=len(data), sha256=digest,
+                )
