@@ -1,0 +1,1 @@
+"""Tandem frontend service: the public API, tokenization, stop strings and engine routing."""

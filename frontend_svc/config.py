@@ -1,0 +1,122 @@
+"""The frontend's configuration: one dataclass, built once from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass
+class FrontendConfig:
+    # Each entry is HOST:PORT (one engine) or dns:///NAME:PORT (every address NAME
+    # resolves to, re-resolved every dns_refresh_s seconds).
+    engines: list[str] = field(default_factory=list)
+    dns_refresh_s: float = 10.0
+    host: str = "127.0.0.1"
+    port: int = 50050
+    tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_stop_strings: int = 16
+    max_n: int = 16
+    shutdown_timeout: float = 30.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    engine_tls_ca: str | None = None
+    engine_tls_cert: str | None = None
+    engine_tls_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    api_key_file: str | None = None
+    metrics_port: int = 0
+    log_level: str = "INFO"
+    log_format: str = "text"
+    otlp_endpoint: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "FrontendConfig":
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values["engines"] = list(values.get("engines") or [])
+        values["api_keys"] = list(values.get("api_keys") or [])
+        return cls(**values)
+
+    def check(self) -> list[str]:
+        """Problems that make the configuration unusable, as messages for the user."""
+        problems = []
+        if not self.engines:
+            problems.append("give at least one --engine HOST:PORT or --engine dns:///NAME:PORT")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            problems.append("--tls-cert and --tls-key go together")
+        if bool(self.engine_tls_cert) != bool(self.engine_tls_key):
+            problems.append("--engine-tls-cert and --engine-tls-key go together")
+        if self.max_n < 1:
+            problems.append("--max-n must be at least 1")
+        if self.max_stop_strings < 0:
+            problems.append("--max-stop-strings must be >= 0")
+        if self.dns_refresh_s <= 0:
+            problems.append("--dns-refresh-s must be positive")
+        return problems
+
+    @property
+    def engine_tls(self) -> bool:
+        return bool(self.engine_tls_ca or self.engine_tls_cert)
+
+    def all_api_keys(self) -> list[str]:
+        """Keys from --api-key plus one per non-empty, non-comment line of --api-key-file."""
+        keys = list(self.api_keys)
+        if self.api_key_file:
+            for line in Path(self.api_key_file).read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(line)
+        return keys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = FrontendConfig()
+    p = argparse.ArgumentParser(
+        prog="tandem-frontend",
+        description="Tandem frontend: the public gRPC API (tandem.generate.v1.GenerateService). "
+        "Validates, tokenizes, routes each request to an engine and streams text back.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    e = p.add_argument_group("engines")
+    e.add_argument("--engine", dest="engines", action="append", default=None, metavar="HOST:PORT",
+                   help="engine address; repeat for several engines. dns:///NAME:PORT uses every "
+                   "address NAME resolves to (e.g. a Kubernetes headless Service)")
+    e.add_argument("--dns-refresh-s", type=float, default=d.dns_refresh_s,
+                   help="seconds between re-resolutions of dns:/// engine names")
+    e.add_argument("--engine-tls-ca", default=None, help="CA (PEM) that engine certificates must chain to; enables TLS")
+    e.add_argument("--engine-tls-cert", default=None, help="client certificate (PEM) shown to engines (mutual TLS)")
+    e.add_argument("--engine-tls-key", default=None, help="client private key (PEM) for --engine-tls-cert")
+
+    t = p.add_argument_group("model")
+    t.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="local tokenizer directory; default: fetched from an engine (GetTokenizer), "
+                   "each file checked against its sha256")
+
+    n = p.add_argument_group("server")
+    n.add_argument("--host", default=d.host, help="address to listen on")
+    n.add_argument("--port", type=int, default=d.port, help="gRPC port (0 picks a free one)")
+    n.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
+    n.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight calls may take to finish after SIGTERM")
+    n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
+    n.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    n.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help="accepted API key (repeatable); clients send 'authorization: Bearer KEY'. "
+                   "No key given: no authentication")
+    n.add_argument("--api-key-file", default=None, metavar="FILE", help="file with one accepted API key per line")
+
+    r = p.add_argument_group("request limits")
+    r.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most stop strings per request")
+    r.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+
+    o = p.add_argument_group("observability")
+    o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")
+    o.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ERROR")
+    o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
+    o.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
+                   "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+                   "tracing is off when none is set")
+    return p

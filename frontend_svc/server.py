@@ -1,0 +1,200 @@
+"""The frontend's gRPC server: GenerateService, grpc.health.v1 and reflection.
+
+Start-up: the server listens at once with health NOT_SERVING, connects to the engines
+and loads the tokenizer (from --tokenizer, or fetched from the first connected engine).
+Health is SERVING while the tokenizer is loaded and at least one engine is connected,
+NOT_SERVING otherwise. Shutdown (SIGTERM/SIGINT): NOT_SERVING at once, no new calls,
+in-flight calls get up to ``shutdown_timeout`` seconds to finish, then the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from frontend_svc import servicer as generate
+from frontend_svc.config import FrontendConfig
+from frontend_svc.engine_client import EngineRouter, engine_credentials
+from frontend_svc.metrics import FrontendMetrics
+from frontend_svc.tokenizer import Tokenizer
+from tandem_common.tracing import setup_tracing
+
+logger = logging.getLogger(__name__)
+
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+TOKENIZER_RETRY_S = 1.0
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Clients with long streams may ping every 10 s; accept it without GOAWAY.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer KEY`` (or ``x-api-key: KEY``) with an accepted key.
+
+    Health and reflection stay open so that probes and ``grpcurl list`` work without one.
+    """
+
+    OPEN_PREFIXES = (f"/{HEALTH_SERVICE_NAME}/", "/grpc.reflection.")
+
+    def __init__(self, keys: list[str]) -> None:
+        self._keys = [k.encode() for k in keys]
+
+    def _authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization" and value.lower().startswith("bearer "):
+                value = value[len("bearer "):].strip()
+            elif key != "x-api-key":
+                continue
+            if any(hmac.compare_digest(value.encode(), k) for k in self._keys):
+                return True
+        return False
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.OPEN_PREFIXES):
+            return handler
+        if self._authorized(details.invocation_metadata):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required: send metadata 'authorization: Bearer KEY'")
+
+        kind = (handler.request_streaming, handler.response_streaming)
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[kind]
+        return make(deny, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+class FrontendServer:
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        credentials = None
+        if config.engine_tls:
+            credentials = engine_credentials(config.engine_tls_ca, config.engine_tls_cert, config.engine_tls_key)
+        self.router = EngineRouter(
+            config.engines, dns_refresh_s=config.dns_refresh_s, credentials=credentials,
+            max_message_bytes=config.max_message_bytes,
+        )
+        self.metrics = FrontendMetrics()
+        self.tracer_provider = setup_tracing("tandem-frontend", config.otlp_endpoint)  # None: tracing off
+        tracer = self.tracer_provider.get_tracer("frontend_svc") if self.tracer_provider is not None else None
+        self.servicer = generate.GenerateServiceServicer(
+            self.router, max_n=config.max_n, max_stop_strings=config.max_stop_strings,
+            metrics=self.metrics, tracer=tracer,
+        )
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._stopping = asyncio.Event()
+        self._health_changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.tokenizer:
+            self.servicer.set_tokenizer(Tokenizer.from_dir(cfg.tokenizer))
+            logger.info("tokenizer loaded from %s", cfg.tokenizer)
+        keys = cfg.all_api_keys()
+        interceptors = [ApiKeyInterceptor(keys)] if keys else []
+        self.server = grpc.aio.server(options=server_options(cfg.max_message_bytes), interceptors=interceptors)
+        generate.add_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (generate.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        await self._set_health(False)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert:
+            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        await self.server.start()
+        logger.info("listening on %s:%d (%s%s)", cfg.host, self.port, "TLS" if cfg.tls_cert else "plaintext",
+                    ", API keys required" if keys else "")
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port)
+            logger.info("metrics on :%d/metrics", cfg.metrics_port)
+        self.router.add_listener(self._health_changed.set)
+        self._tasks.append(asyncio.create_task(self._keep_health(), name="health"))
+        await self.router.start()
+        if self.servicer.tokenizer is None:
+            self._tasks.append(asyncio.create_task(self._fetch_tokenizer(), name="tokenizer"))
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", generate.SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _keep_health(self) -> None:
+        serving = False
+        while True:
+            await self._health_changed.wait()
+            self._health_changed.clear()
+            self.metrics.engines_connected.set(self.router.num_connected)
+            now = self.router.healthy and self.servicer.tokenizer is not None and not self._stopping.is_set()
+            if now != serving:
+                serving = now
+                await self._set_health(serving)
+                logger.info("health: %s (%d engines connected)", "SERVING" if serving else "NOT_SERVING",
+                            self.router.num_connected)
+
+    async def _fetch_tokenizer(self) -> None:
+        while True:
+            await self.router.wait_connected()
+            try:
+                files = await self.router.fetch_tokenizer_files()
+                tokenizer = await asyncio.to_thread(Tokenizer.from_files, files)
+            except Exception as e:  # noqa: BLE001 - keep trying; health stays NOT_SERVING meanwhile
+                logger.warning("cannot load the tokenizer from the engines: %s; retrying", e)
+                await asyncio.sleep(TOKENIZER_RETRY_S)
+                continue
+            self.servicer.set_tokenizer(tokenizer)
+            self._health_changed.set()
+            return
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await self._set_health(False)
+        if self.server is not None:
+            await self.server.stop(grace=self.config.shutdown_timeout)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.router.close()
+        if self.tracer_provider is not None:
+            await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the last spans
+        logger.info("stopped")
+
+    async def serve_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self.start()
+        await self._stopping.wait()
+        logger.info("shutting down: finishing in-flight calls for up to %.0f s", self.config.shutdown_timeout)
+        await self.stop()
+

@@ -1,0 +1,50 @@
+"""The frontend's command line: every flag, its default, and the checks on combinations."""
+
+from __future__ import annotations
+
+from frontend_svc.config import FrontendConfig, build_parser
+
+FLAGS = [
+    "--engine", "--dns-refresh-s", "--host", "--port", "--tokenizer", "--metrics-port", "--log-level",
+    "--log-format", "--otlp-endpoint", "--tls-cert", "--tls-key", "--engine-tls-ca", "--engine-tls-cert",
+    "--engine-tls-key", "--api-key", "--api-key-file", "--max-message-bytes", "--max-stop-strings", "--max-n",
+    "--shutdown-timeout",
+]
+
+
+def parse(*argv: str) -> FrontendConfig:
+    return FrontendConfig.from_args(build_parser().parse_args(list(argv)))
+
+
+def test_help_lists_every_flag():
+    parser = build_parser()
+    assert parser.prog == "tandem-frontend"
+    text = parser.format_help()
+    for flag in FLAGS:
+        assert flag in text, flag
+
+
+def test_defaults():
+    c = parse("--engine", "127.0.0.1:50051")
+    assert c.engines == ["127.0.0.1:50051"]
+    assert (c.host, c.port, c.metrics_port, c.dns_refresh_s) == ("127.0.0.1", 50050, 0, 10.0)
+    assert (c.max_stop_strings, c.max_n, c.tokenizer, c.api_keys) == (16, 16, None, [])
+    assert c.log_format == "text" and not c.engine_tls
+    assert c.check() == []
+
+
+def test_repeatable_flags_and_dns_targets(tmp_path):
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# team keys\nk2\n\n  k3  \n")
+    c = parse("--engine", "a:1", "--engine", "dns:///engines.ns.svc:50051", "--api-key", "k1",
+              "--api-key-file", str(keyfile), "--dns-refresh-s", "2.5")
+    assert c.engines == ["a:1", "dns:///engines.ns.svc:50051"]
+    assert c.all_api_keys() == ["k1", "k2", "k3"]
+    assert c.dns_refresh_s == 2.5
+
+
+def test_check_reports_unusable_combinations():
+    assert any("--engine" in p for p in parse().check())
+    problems = parse("--engine", "a:1", "--tls-cert", "c.pem", "--engine-tls-key", "k.pem", "--max-n", "0").check()
+    assert len(problems) == 3
+    assert parse("--engine", "a:1", "--engine-tls-ca", "ca.pem").engine_tls

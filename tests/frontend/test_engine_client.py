@@ -1,0 +1,65 @@
+"""EngineClient's tokenizer download: chunks reassembled in order and each file's sha256 checked.
+
+The real engine always sends intact files, so a small in-process EngineService stands in
+for one that sends damaged ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+import pytest
+
+from frontend_svc.engine_client import EngineClient
+from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
+from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
+
+FILES = {"tokenizer.json": b'{"model": "x"}' * 1000, "tokenizer_config.json": b"{}"}
+
+
+class TokenizerOnlyEngine(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, damage: str | None = None) -> None:
+        self.damage = damage
+
+    async def GetTokenizer(self, request, context):
+        for name, data in FILES.items():
+            digest = hashlib.sha256(data).hexdigest()
+            sent = data[:-1] + b"!" if self.damage == "bytes" and name == "tokenizer.json" else data
+            for offset in range(0, len(sent), 4096):
+                if self.damage == "gap" and offset == 4096:
+                    continue
+                yield pb.GetTokenizerResponse(file_name=name, offset=offset, data=sent[offset:offset + 4096],
+                                              total_size=len(data), sha256=digest)
+
+
+@pytest.fixture
+async def serve():
+    servers = []
+
+    async def start(servicer) -> EngineClient:
+        server = grpc.aio.server()
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        client = EngineClient(f"127.0.0.1:{port}")
+        client.start()
+        servers.append(client)
+        return client
+
+    yield start
+    for s in reversed(servers):
+        await (s.close() if isinstance(s, EngineClient) else s.stop(None))
+
+
+async def test_files_arrive_whole(serve):
+    client = await serve(TokenizerOnlyEngine())
+    assert await client.fetch_tokenizer_files() == FILES
+
+
+@pytest.mark.parametrize(("damage", "message"), [("bytes", "sha256"), ("gap", "offset")])
+async def test_damaged_files_are_refused(serve, damage, message):
+    client = await serve(TokenizerOnlyEngine(damage))
+    with pytest.raises(ValueError, match=message):
+        await client.fetch_tokenizer_files()
