@@ -93,5 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")
     o.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ERROR")
     o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
-    o.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for traces (default: off)")
+    o.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
+                   "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+                   "tracing is off when none is set")
     return p

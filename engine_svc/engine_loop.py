@@ -175,8 +175,12 @@ class EngineLoop:
             return []
         stream = self._streams.get(sid)
         if kind == "abort_all":
-            ids = [f"{s}/{rid}" for s, st in self._streams.items() for rid in st.live]
-            return self.core.abort(ids)
+            # Cut by the shutdown timeout: an in-band UNAVAILABLE, so that the client learns
+            # its output is incomplete and may retry elsewhere (a plain abort would read as done).
+            return self._fail_all(
+                "the engine shut down before this request finished (shutdown timeout); retry on another engine",
+                ErrorCode.UNAVAILABLE,
+            )
         if stream is None:
             return []
         if kind == "add":
@@ -228,10 +232,10 @@ class EngineLoop:
         error_output = self.core.add_request(request)
         return [error_output] if error_output is not None else []
 
-    def _fail_all(self, message: str) -> list[EngineOutput]:
+    def _fail_all(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> list[EngineOutput]:
         ids = [f"{s}/{rid}" for s, st in self._streams.items() for rid in st.live]
         outputs = self.core.abort(ids)
-        error = RequestError(ErrorCode.INTERNAL, message)
+        error = RequestError(code, message)
         for out in outputs:
             out.finish_reason, out.error = FinishReason.ERROR, error
         return outputs

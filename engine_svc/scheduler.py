@@ -19,6 +19,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from engine_svc.kv_cache import KVCacheManager
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -105,6 +106,20 @@ class PriorityRequestQueue:
 POLICIES = {"fcfs": FCFSRequestQueue, "priority": PriorityRequestQueue}
 
 
+class SchedulerObserver(Protocol):
+    """Told of the lifecycle changes only the scheduler sees (tracing, metrics).
+
+    Called inside ``schedule()``, so implementations must be quick; the default is no
+    observer at all.
+    """
+
+    def request_scheduled(self, request: Request) -> None:
+        """``request`` was admitted for the first time (not after a preemption)."""
+
+    def request_preempted(self, request: Request) -> None:
+        """``request`` lost its KV blocks and went back to the waiting queue."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -126,6 +141,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order; all hold KV blocks
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
+        self.observer: SchedulerObserver | None = None
         # Ids that ended or were preempted since the last schedule(): the runner drops their state.
         self._finished_ids: set[str] = set()
         # Outputs of requests refused outside update_from_output (too big for the pool);
@@ -232,10 +248,13 @@ class Scheduler:
             if block_ids is None:
                 break  # the head waits for blocks; later requests must not overtake it
             self.waiting.pop()
-            if request.num_cached_tokens < 0:  # first scheduling only; recomputes don't count
+            first = request.num_cached_tokens < 0  # recomputes after preemption don't count
+            if first:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
+            if first and self.observer is not None:
+                self.observer.request_scheduled(request)
             self.running.append(request)
             rows.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
@@ -288,6 +307,8 @@ class Scheduler:
         self.num_preemptions += 1
         self._finished_ids.add(request.request_id)
         self.waiting.add_front(request)
+        if self.observer is not None:
+            self.observer.request_preempted(request)
         logger.debug("preempted %s (recompute later); %d preemptions so far", request, self.num_preemptions)
 
     def _too_big_for_pool(self, request: Request) -> str | None:

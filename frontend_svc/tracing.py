@@ -36,6 +36,8 @@ def start_rpc_span(tracer: trace.Tracer, method: str, context: grpc.aio.Servicer
 
 def end_rpc_span(span: trace.Span, code: grpc.StatusCode, message: str = "") -> None:
     span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code is not grpc.StatusCode.OK:
+        span.set_attribute("error.type", code.name)
     if code in _SERVER_ERRORS:
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
     span.end()
