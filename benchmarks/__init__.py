@@ -1,0 +1,1 @@
+"""Tandem benchmarks: workloads, the offline engine benchmark and the serving load generator."""

@@ -1,0 +1,105 @@
+"""Smoke tests of the benchmarks on the demo model: every figure is filled, files are written.
+
+No timing assertions: the figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import offline, serve
+from benchmarks.workloads import fit_context, fit_vocab, salted, synthetic
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _holes(value, path: str = "") -> list[str]:
+    """Paths of None / NaN values anywhere in a JSON document."""
+    if isinstance(value, dict):
+        return [h for k, v in value.items() for h in _holes(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [h for i, v in enumerate(value) for h in _holes(v, f"{path}[{i}]")]
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return [path]
+    return []
+
+
+ENTRY_KEYS = {
+    "rate", "num_requests", "num_completed", "errors", "wall_s", "num_prompt_tokens", "num_output_tokens",
+    "req_per_s", "output_tok_per_s", "total_tok_per_s", "arrival_req_per_s", "completion_req_per_s", "saturated",
+    "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms",
+}
+SMALL = ["--synthetic", "--num-requests", "6", "--prompt-len", "4:24", "--output-len", "2:5", "--seed", "3"]
+
+
+def _check_entry(entry: dict, num_requests: int) -> None:
+    assert ENTRY_KEYS <= entry.keys()
+    assert entry["num_completed"] == num_requests and entry["errors"] == {}
+    assert entry["num_output_tokens"] > 0
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert set(entry[key]) == {"mean", "p50", "p90", "p99"}
+    assert entry["frontend_cpu_us_per_token"] >= 0 and entry["engine_cpu_us_per_token"] >= 0
+
+
+def test_serve_rate_sweep_against_a_running_pair(pair, tmp_path, capsys):
+    engine, frontend = pair
+    out, png = tmp_path / "serve.json", tmp_path / "sweep.png"
+    rc = serve.main(["--target", frontend.address, *SMALL, "--rate", "8,inf", "--max-concurrency", "4",
+                     "--frontend-pid", str(frontend.proc.pid), "--engine-pid", str(engine.proc.pid),
+                     "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [e["rate"] for e in report["results"]] == [8.0, "inf"]
+    for entry in report["results"]:
+        _check_entry(entry, 6)
+    assert _holes({k: v for k, v in report.items() if k != "saturation_rate"}) == []
+    assert "saturation_rate" in report
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "frontend CPU us/token" in table and "TTFT p99 ms" in table
+
+
+def test_serve_launch_with_inprocess_comparison(tmp_path):
+    out, png = tmp_path / "serve.json", tmp_path / "cdf.png"
+    rc = serve.main(["--launch", "--engine-arg=--num-kv-blocks 256", *SMALL, "--compare-inprocess",
+                     "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    (entry,) = report["results"]
+    _check_entry(entry, 6)
+    assert entry["pair_over_inprocess"] > 0
+    assert report["inprocess"]["output_tok_per_s"] > 0
+    assert report["inprocess"]["num_output_tokens"] == entry["num_output_tokens"]
+    # max_concurrency (no cap) and saturation_rate (one rate: nothing to find) are null here.
+    assert _holes(report["results"]) == [] and _holes(report["inprocess"]) == []
+    assert png.stat().st_size > 10_000
+
+
+def test_offline_engine_figures(demo_model_dir, tmp_path):
+    workload = synthetic(0, num_requests=4, prompt_len=(8, 24), output_len=(4, 6), vocab_size=2048)
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in workload))
+    out = tmp_path / "offline.json"
+    assert offline.main(["--model", str(demo_model_dir), "--workload", str(path), "--baseline", "none",
+                         "--kv-cache-bytes", str(16 << 20), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["engine"]
+    assert {"output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"} <= figures.keys()
+    assert figures["num_output_tokens"] == sum(r["max_tokens"] for r in workload)
+    assert all(figures[k] > 0 for k in ("output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"))
+
+
+def test_workload_helpers_keep_lengths():
+    base = [{"prompt_token_ids": [5000, 7, 9000], "max_tokens": 4}, {"prompt_token_ids": [1] * 10, "max_tokens": 8}]
+    folded, num_folded = fit_vocab(base, 2048)
+    assert num_folded == 2 and all(t < 2048 for r in folded for t in r["prompt_token_ids"])
+    assert [len(r["prompt_token_ids"]) for r in folded] == [3, 10]
+    trimmed, num_trimmed = fit_context(base, 12)
+    assert num_trimmed == 1 and all(len(r["prompt_token_ids"]) + r["max_tokens"] <= 12 for r in trimmed)
+    assert trimmed[1]["prompt_token_ids"] == [1] * 10 and trimmed[1]["max_tokens"] == 2
+    a, b = salted(base, 1, 2048), salted(base, 2, 2048)
+    assert a[0]["prompt_token_ids"][1:] == b[0]["prompt_token_ids"][1:] == [7, 9000]
+    assert a[0]["prompt_token_ids"][0] != b[0]["prompt_token_ids"][0]
+    assert salted(base, 0, 2048) == base
