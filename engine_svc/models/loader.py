@@ -1,0 +1,178 @@
+"""Load a Llama-family model from a local Hugging Face directory.
+
+Expected files: ``config.json`` plus either ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` with the shards it names. Weights are renamed to ours and
+q/k/v and gate/up are concatenated into the fused projections::
+
+    model.layers.{i}.self_attn.{q,k,v}_proj.*    -> layers.{i}.attn.qkv_proj.*    (cat on dim 0)
+    model.layers.{i}.self_attn.o_proj.*          -> layers.{i}.attn.o_proj.*
+    model.layers.{i}.mlp.{gate,up}_proj.*        -> layers.{i}.mlp.gate_up_proj.* (cat on dim 0)
+    model.layers.{i}.mlp.down_proj.*             -> layers.{i}.mlp.down_proj.*
+    model.layers.{i}.input_layernorm.weight      -> layers.{i}.input_norm.weight
+    model.layers.{i}.post_attention_layernorm.*  -> layers.{i}.post_attn_norm.weight
+    model.embed_tokens.weight / model.norm.weight / lm_head.weight   (lm_head absent when tied)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine_svc.models.llama import ModelArgs, Transformer, rope_inv_freq
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_RENAMES = {
+    "self_attn.o_proj": "attn.o_proj",
+    "mlp.down_proj": "mlp.down_proj",
+    "input_layernorm": "input_norm",
+    "post_attention_layernorm": "post_attn_norm",
+}
+# Parts of a fused projection, in concatenation order.
+_FUSED = {
+    "self_attn.q_proj": ("attn.qkv_proj", 0),
+    "self_attn.k_proj": ("attn.qkv_proj", 1),
+    "self_attn.v_proj": ("attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_FUSED_PARTS = {"attn.qkv_proj": 3, "mlp.gate_up_proj": 2}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """Map a dtype name to torch and refuse combinations that cannot run."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {', '.join(DTYPES)}")
+    if dtype == torch.float16 and torch.device(device).type == "cpu":
+        raise ValueError("float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
+    return dtype
+
+
+def read_config(model_dir: str | Path) -> dict:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
+    return json.loads(config_path.read_text())
+
+
+def read_special_token_ids(model_dir: str | Path) -> tuple[int | None, tuple[int, ...]]:
+    """(bos_token_id, eos_token_ids) from config.json and generation_config.json.
+
+    EOS ids of both files count (generation_config often lists extra end-of-turn ids).
+    """
+    model_dir = Path(model_dir)
+    sources = [read_config(model_dir)]
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()))
+    bos: int | None = None
+    eos: list[int] = []
+    for src in sources:
+        if src.get("bos_token_id") is not None:
+            bos = int(src["bos_token_id"])
+        ids = src.get("eos_token_id")
+        for token_id in ids if isinstance(ids, list) else [ids]:
+            if token_id is not None and int(token_id) not in eos:
+                eos.append(int(token_id))
+    return bos, tuple(eos)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {', '.join(missing)}")
+        return files
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
+    )
+
+
+def _our_name(hf_name: str) -> tuple[str, int | None] | None:
+    """(our parameter name, part index for fused weights) or None for names we skip."""
+    if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        return hf_name.removeprefix("model."), None
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m is None:
+        return None
+    layer, rest = m.groups()
+    module, _, suffix = rest.rpartition(".")  # suffix: weight | bias
+    if module in _FUSED:
+        fused, part = _FUSED[module]
+        return f"layers.{layer}.{fused}.{suffix}", part
+    if module in _RENAMES:
+        return f"layers.{layer}.{_RENAMES[module]}.{suffix}", None
+    return None
+
+
+def load_model(
+    model_dir: str | Path, device: torch.device | str, dtype: str | torch.dtype
+) -> tuple[Transformer, ModelArgs]:
+    """Build the model on ``device`` in ``dtype`` with the directory's weights."""
+    model_dir = Path(model_dir)
+    dtype = resolve_dtype(dtype, device)
+    args = ModelArgs.from_hf_config(read_config(model_dir))
+
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                mapped = _our_name(hf_name)
+                if mapped is None:
+                    if not hf_name.endswith("rotary_emb.inv_freq"):
+                        logger.warning("ignoring unexpected weight %s in %s", hf_name, path.name)
+                    continue
+                name, part = mapped
+                tensor = f.get_tensor(hf_name).to(dtype)
+                if part is None:
+                    state[name] = tensor
+                else:
+                    parts.setdefault(name, {})[part] = tensor
+    for name, pieces in parts.items():
+        expected = _FUSED_PARTS[".".join(name.split(".")[-3:-1])]
+        if len(pieces) != expected:
+            raise ValueError(f"{model_dir}: incomplete weights for {name} ({len(pieces)} of {expected} parts)")
+        state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        raise ValueError(f"{model_dir}: lm_head.weight is missing and tie_word_embeddings is false")
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected_names = {n for n in model.state_dict() if not (args.tie_word_embeddings and n == "lm_head.weight")}
+    missing = sorted(expected_names - state.keys())
+    if missing:
+        raise ValueError(f"{model_dir}: missing weights {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.tie_weights()
+    model.inv_freq = rope_inv_freq(args).to(device)
+    model.eval().requires_grad_(False)
+    logger.info(
+        "loaded %s from %s: %d layers, hidden %d, vocab %d, %s on %s",
+        args.architecture, model_dir, args.num_layers, args.hidden_size, args.vocab_size, dtype, device,
+    )
+    return model, args
