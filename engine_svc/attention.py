@@ -47,8 +47,10 @@ logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
-# Decodes per gather + SDPA call. Small enough that a group's gathered K/V stays in the
-# CPU cache between the gather and SDPA; big enough that per-call overhead stays small.
+# Decodes per gather + SDPA call. One call for all decodes gathers tens of MB per layer,
+# which has left the CPU cache by the time SDPA reads it; groups of 8 keep it cached and
+# measured ~1.3x faster than one group of 64 (2-core CPU, 135M model, context ~400) while
+# per-call overhead stays small. The workspace holds a group of ~1k-token contexts.
 DECODE_GROUP_SIZE = 8
 DECODE_WORKSPACE_TOKENS = 8192
 

@@ -44,6 +44,8 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 def server_credentials(cert: str | None, key: str | None, ca: str | None) -> grpc.ServerCredentials | None:
     if not cert:
+        if key or ca:  # never fall back to plaintext when TLS was asked for
+            raise SystemExit("--tls-key and --tls-ca need --tls-cert")
         return None
     if not key:
         raise SystemExit("--tls-cert needs --tls-key")
@@ -84,7 +86,7 @@ def model_info(core, config: EngineConfig) -> engine_pb2.GetModelInfoResponse:
 class EngineServer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.servicer = EngineServicer()
+        self.servicer = EngineServicer(max_message_bytes=config.max_message_bytes)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.engine = None
@@ -113,11 +115,13 @@ class EngineServer:
         self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
         await self.server.start()
         logger.info("listening on %s:%d (%s)", cfg.host, self.port, "TLS" if creds else "plaintext")
-        if creds is None and not _is_loopback(cfg.host):
+        if not (creds is not None and cfg.tls_ca) and not _is_loopback(cfg.host):
+            # Server-only TLS encrypts but lets any client in: the same exposure as plaintext.
+            how = "without TLS" if creds is None else "with TLS but without client certificates (--tls-ca)"
             logger.warning(
-                "the engine listens on %s without TLS: anyone who can reach this port can generate text "
+                "the engine listens on %s %s: anyone who can reach this port can generate text "
                 "and read the tokenizer. Use mutual TLS (--tls-cert/--tls-key/--tls-ca) or restrict the port "
-                "to frontends (the Helm chart's NetworkPolicy does this).", cfg.host,
+                "to frontends (the Helm chart's NetworkPolicy does this).", cfg.host, how,
             )
 
     async def load(self) -> None:

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from engine_svc.engine_loop import AddCommand, EngineLoad, EngineLoop
 from engine_svc.outputs import EngineOutput
@@ -27,6 +28,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 TOKENIZER_CHUNK_BYTES = 1 << 20
+_CHUNK_HEADROOM_BYTES = 4096  # file name, offsets, size and sha256 around a chunk's data
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -97,13 +99,27 @@ def load_to_proto(load: EngineLoad) -> pb.EngineLoad:
     )
 
 
+async def _raise_reader_failure(reader: asyncio.Task, context) -> None:
+    """Ends the Stream call with its reader's failure, if the reader failed."""
+    if not reader.done() or reader.cancelled() or reader.exception() is None:
+        return
+    error = reader.exception()
+    if isinstance(error, DecodeError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed control message: {error}")
+    raise error
+
+
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one EngineLoop. ``loop`` is None until the model is loaded and warmed up."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_message_bytes: int = 16 * 1024 * 1024) -> None:
         self.engine: EngineLoop | None = None
         self.model_info: pb.GetModelInfoResponse | None = None
         self.model_dir: Path | None = None
+        # A chunk plus its header must fit the server's send limit (--max-message-bytes),
+        # or a tokenizer.json larger than the limit could never be handed out.
+        self.tokenizer_chunk_bytes = max(1024, min(TOKENIZER_CHUNK_BYTES,
+                                                   max_message_bytes - _CHUNK_HEADROOM_BYTES))
 
     def attach(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse, model_dir: Path) -> None:
         self.engine, self.model_info, self.model_dir = engine, model_info, model_dir
@@ -119,10 +135,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         loop = asyncio.get_running_loop()
         sid = engine.open_stream(lambda outs, load: loop.call_soon_threadsafe(queue.put_nowait, (outs, load)))
         reader = asyncio.create_task(self._read_commands(engine, sid, request_iterator))
+
+        def wake_on_failure(task: asyncio.Task) -> None:
+            # A malformed control message must end the call even when no step output is due.
+            if not task.cancelled() and task.exception() is not None:
+                queue.put_nowait((None, None))
+
+        reader.add_done_callback(wake_on_failure)
         try:
             while True:
                 outs, load = await queue.get()
                 if outs is None:
+                    await _raise_reader_failure(reader, context)
                     return
                 batch = list(outs)
                 # A reader that fell behind gets the queued steps merged into one message.
@@ -134,10 +158,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                         break
                     batch.extend(more)
                 yield pb.StreamResponse(outputs=[output_to_proto(o) for o in batch], load=load_to_proto(load))
+                await _raise_reader_failure(reader, context)
                 if done:
                     return
-                if reader.done() and reader.exception() is not None:
-                    raise reader.exception()
         finally:
             reader.cancel()
             engine.close_stream(sid)
@@ -179,8 +202,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         for path in files:
             data = path.read_bytes()
             digest = hashlib.sha256(data).hexdigest()
-            for offset in range(0, max(len(data), 1), TOKENIZER_CHUNK_BYTES):
+            chunk = self.tokenizer_chunk_bytes
+            for offset in range(0, max(len(data), 1), chunk):
                 yield pb.GetTokenizerResponse(
-                    file_name=path.name, offset=offset, data=data[offset:offset + TOKENIZER_CHUNK_BYTES],
+                    file_name=path.name, offset=offset, data=data[offset:offset + chunk],
                     total_size=len(data), sha256=digest,
                 )

@@ -54,6 +54,9 @@ class FrontendConfig:
             problems.append("--max-stop-strings must be >= 0")
         if self.dns_refresh_s <= 0:
             problems.append("--dns-refresh-s must be positive")
+        # A blank key would match an empty bearer token (the file is checked at start-up).
+        if any(not key.strip() for key in self.api_keys):
+            problems.append("--api-key must not be empty or blank")
         return problems
 
     @property

@@ -293,6 +293,7 @@ class EngineClient:
 
     async def _run(self) -> None:
         backoff = BACKOFF_INITIAL_S
+        reported = False  # why the engine is unreachable, said once at INFO: shows TLS or address mistakes
         while not self._closed:
             try:
                 reason = await self._session()
@@ -304,6 +305,10 @@ class EngineClient:
             if self.connected:
                 logger.warning("engine %s went away: %s; reconnecting", self.address, reason)
                 backoff = BACKOFF_INITIAL_S
+                reported = False
+            elif not reported:
+                logger.info("engine %s not reachable: %s; retrying", self.address, reason)
+                reported = True
             else:
                 logger.debug("engine %s not reachable: %s", self.address, reason)
             self._set_connected(False)
@@ -652,20 +657,20 @@ def _logprob(lp: engine_pb2.TokenLogprob) -> TokenLogprob:
 
 
 def _engine_output(o: engine_pb2.RequestOutput) -> EngineOutput:
-    error = None
+    out = EngineOutput(o.request_id, list(o.new_token_ids), num_prompt_tokens=o.num_prompt_tokens,
+                       num_cached_tokens=o.num_cached_tokens)
+    # Most outputs are one decode token and nothing else: skip what is not there.
+    if o.logprobs:
+        out.logprobs = [_logprob(lp) for lp in o.logprobs]
+    if o.prompt_logprobs:
+        out.prompt_logprobs = [_logprob(lp) for lp in o.prompt_logprobs]
+    if o.finish_reason:
+        out.finish_reason = _FINISH.get(o.finish_reason)
+    if o.HasField("stop_token_id"):
+        out.stop_token_id = o.stop_token_id
     if o.HasField("error"):
-        error = EngineError(_ERROR.get(o.error.code, ErrorCode.INTERNAL), o.error.message, o.error.field)
-    return EngineOutput(
-        request_id=o.request_id,
-        new_token_ids=list(o.new_token_ids),
-        logprobs=[_logprob(lp) for lp in o.logprobs],
-        prompt_logprobs=[_logprob(lp) for lp in o.prompt_logprobs],
-        finish_reason=_FINISH.get(o.finish_reason),
-        stop_token_id=o.stop_token_id if o.HasField("stop_token_id") else None,
-        num_prompt_tokens=o.num_prompt_tokens,
-        num_cached_tokens=o.num_cached_tokens,
-        error=error,
-    )
+        out.error = EngineError(_ERROR.get(o.error.code, ErrorCode.INTERNAL), o.error.message, o.error.field)
+    return out
 
 
 def _engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from frontend_svc import servicer as generate
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine_client import EngineRouter, engine_credentials
+from frontend_svc.malformed import MalformedRequestInterceptor
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.tokenizer import Tokenizer
 from tandem_common.tracing import setup_tracing
@@ -117,8 +118,16 @@ class FrontendServer:
         if cfg.tokenizer:
             self.servicer.set_tokenizer(Tokenizer.from_dir(cfg.tokenizer))
             logger.info("tokenizer loaded from %s", cfg.tokenizer)
-        keys = cfg.all_api_keys()
+        try:
+            keys = cfg.all_api_keys()
+        except OSError as e:
+            raise SystemExit(f"cannot read --api-key-file: {e}") from e
+        if cfg.api_key_file and len(keys) == len(cfg.api_keys):  # an empty key file must not open the API
+            raise SystemExit(f"--api-key-file {cfg.api_key_file} holds no key (one per line); "
+                             "refusing to start without the authentication it asks for")
+        # The key check runs first: an unauthenticated caller learns nothing about its request.
         interceptors = [ApiKeyInterceptor(keys)] if keys else []
+        interceptors.append(MalformedRequestInterceptor(f"/{generate.SERVICE_NAME}/"))
         self.server = grpc.aio.server(options=server_options(cfg.max_message_bytes), interceptors=interceptors)
         generate.add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

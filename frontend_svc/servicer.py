@@ -106,7 +106,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         code, message = grpc.StatusCode.CANCELLED, ""
         try:
             tokenizer, info = self._ready()
-            plan = self._plan(request, tokenizer, info)
+            plan = await _off_loop(request, self._plan, request, tokenizer, info)
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
             sent, tried = False, []
@@ -292,24 +292,26 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             which = request.WhichOneof("input")
             if which == "text":
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = tokenizer.encode(request.text, add_special_tokens=add_special)
+                ids = await _off_loop(request, tokenizer.encode, request.text, add_special)
             elif which == "messages":
-                ids = _render(request.messages, tokenizer)
+                ids = await _off_loop(request, _render, request.messages, tokenizer)
             else:
                 raise _invalid("input", "set text or messages")
         except Rejected as e:
             await context.abort(e.code, str(e))
-        return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[self._texts(t) for t in ids])
+        tokens = await _off_loop(request, lambda: [self._texts(t) for t in ids])
+        return generate_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     @traced("Detokenize")
     async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
         try:
             tokenizer = self._tokenizer()
-            _check_ids("token_ids", request.token_ids, tokenizer.vocab_size)
+            await _off_loop(request, _check_ids, "token_ids", request.token_ids, tokenizer.vocab_size)
         except Rejected as e:
             await context.abort(e.code, str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return generate_pb2.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+        text = await _off_loop(request, tokenizer.decode, list(request.token_ids), skip)
+        return generate_pb2.DetokenizeResponse(text=text)
 
     @traced("GetModelInfo")
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext):
@@ -330,6 +332,18 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         if self.tokenizer is None:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
         return self.tokenizer
+
+
+# Requests larger than this (serialized) are tokenized on a worker thread, where long
+# inputs release the GIL (see tokenizer.py): one huge prompt must not stall the event
+# loop, and with it every other call, stream and health check, for seconds.
+_OFF_LOOP_BYTES = 64 * 1024
+
+
+async def _off_loop(request, fn, *args):
+    if request.ByteSize() > _OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _within(x: float, lo: float, hi: float) -> bool:
@@ -365,12 +379,14 @@ def _logprob(lp: LogprobText) -> generate_pb2.Logprob:
 
 
 def _response(piece: ChoiceOutput, return_token_ids: bool) -> generate_pb2.GenerateResponse:
-    response = generate_pb2.GenerateResponse(
-        index=piece.index, text=piece.text,
-        token_ids=piece.token_ids if return_token_ids else (),
-        logprobs=[_logprob(lp) for lp in piece.logprobs],
-        prompt_logprobs=[_logprob(lp) for lp in piece.prompt_logprobs],
-    )
+    response = generate_pb2.GenerateResponse(index=piece.index, text=piece.text)
+    # Sent once per token per stream: fields that are empty are not touched at all.
+    if return_token_ids and piece.token_ids:
+        response.token_ids.extend(piece.token_ids)
+    if piece.logprobs:
+        response.logprobs.extend(_logprob(lp) for lp in piece.logprobs)
+    if piece.prompt_logprobs:
+        response.prompt_logprobs.extend(_logprob(lp) for lp in piece.prompt_logprobs)
     if piece.finish_reason is not None:
         response.finish_reason = _FINISH[piece.finish_reason]
         if piece.stop_str is not None:

@@ -36,6 +36,11 @@ import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
+# From this many characters (or ids) on, encode and decode go through the batch calls of
+# `tokenizers`, which release the GIL (the single calls hold it): a long input tokenized
+# on a worker thread then leaves the event loop free. Shorter ones keep the cheaper call.
+_LONG_INPUT = 4096
+
 # The files a frontend needs; the engine hands out whichever of these it has.
 TOKENIZER_FILE_NAMES = (
     "tokenizer.json",
@@ -139,8 +144,8 @@ class Tokenizer:
         """Token ids of ``text``. Text from a chat template already carries its BOS:
         encode it with ``add_special_tokens=False``."""
         if not add_special_tokens or (self._add_bos is None and self._add_eos is None):
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+            return self._encode(text, add_special_tokens)
+        ids = self._encode(text, False)
         if self._add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         if self._add_eos and self.eos_token_ids:
@@ -152,7 +157,14 @@ class Tokenizer:
         ids = list(token_ids)
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if len(ids) >= _LONG_INPUT:
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) >= _LONG_INPUT:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
