@@ -3,6 +3,9 @@
     python -m benchmarks.make_model DIR [--dtype float32]
 
 Shapes: hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied embeddings.
+A byte-level BPE tokenizer of exactly 8192 ids (``<unk>``, ``<s>``, ``</s>`` first, trained
+on the demo corpus, padded with unused tokens) is written beside the weights, so the
+frontend can serve the model too.
 """
 
 from __future__ import annotations
@@ -27,7 +30,32 @@ def make_benchmark_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out)
+    write_tokenizer(out, config.vocab_size)
     return out
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    from engine_svc.demo_model import _CORPUS_PATH
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS_PATH.read_text(encoding="utf-8").splitlines(), trainer=trainer)
+    # The corpus is too small for 8192 merges: fill the rest so every model id decodes.
+    missing = vocab_size - tokenizer.get_vocab_size()
+    tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(missing)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False,
+        "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast",
+    }, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_svc.config import EngineConfig
 from engine_svc.servicer import EngineServicer
+from tandem_common.grpc_options import server_options
 from tandem_common.tracing import setup_tracing
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -28,18 +29,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
-
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        # Long-lived streams: accept client keepalive pings every 10 s without GOAWAY.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
 
 
 def server_credentials(cert: str | None, key: str | None, ca: str | None) -> grpc.ServerCredentials | None:

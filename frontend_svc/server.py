@@ -25,6 +25,7 @@ from frontend_svc.engine_client import EngineRouter, engine_credentials
 from frontend_svc.malformed import MalformedRequestInterceptor
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.tokenizer import Tokenizer
+from tandem_common.grpc_options import server_options
 from tandem_common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -32,18 +33,6 @@ logger = logging.getLogger(__name__)
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 TOKENIZER_RETRY_S = 1.0
 
-
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        # Clients with long streams may ping every 10 s; accept it without GOAWAY.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

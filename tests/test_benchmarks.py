@@ -103,3 +103,14 @@ def test_workload_helpers_keep_lengths():
     assert a[0]["prompt_token_ids"][1:] == b[0]["prompt_token_ids"][1:] == [7, 9000]
     assert a[0]["prompt_token_ids"][0] != b[0]["prompt_token_ids"][0]
     assert salted(base, 0, 2048) == base
+
+
+def test_benchmark_model_tokenizer_covers_every_model_id(tmp_path):
+    from benchmarks.make_model import write_tokenizer
+    from frontend_svc.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path, 8192)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.vocab_size == 8192
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (1, (2,))
+    assert tokenizer.decode([8191, 4000]) != ""
