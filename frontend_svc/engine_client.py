@@ -3,7 +3,7 @@
 This is the only frontend module that knows the engine protocol's protobuf types; it
 hands plain dataclasses (``EngineOutput``, ``ModelInfo``, ``EngineLoad``) to the rest.
 
-    EngineRouter ── picks by least outstanding work ──▶ EngineClient (one per address)
+    EngineRouter (engine_router.py) ── picks by least outstanding work ──▶ EngineClient (one per address)
                                                          ├─ channel (keepalive, reconnect backoff)
     servicer ── add() ──▶ RequestHandle ◀── outputs ─────┤  Stream: Add/Abort in, steps out
              ── abort() ────────────────────────────────▶┘
@@ -17,17 +17,18 @@ fails at once with ``EngineUnavailableError``; the client reconnects with backof
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import logging
 import random
-import socket
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import grpc
 
+from frontend_svc.engine_types import (
+    EngineError, EngineLoad, EngineOutput, EngineUnavailableError, ErrorCode, FinishReason, ModelInfo,
+    SamplingParams, TokenLogprob,
+)
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,114 +39,6 @@ BACKOFF_CAP_S = 2.0
 RPC_TIMEOUT_S = 10.0
 LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other frontends' load)
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
-
-
-# -- plain types handed past this module ----------------------------------------------------
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token or (frontend side) a stop string
-    LENGTH = "length"  # max_tokens or the context length
-    ABORT = "abort"
-    ERROR = "error"  # see EngineOutput.error
-
-
-class ErrorCode(enum.Enum):
-    """In-band error classes; each maps onto the gRPC status of the same name."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-    INTERNAL = "INTERNAL"
-
-
-@dataclass(frozen=True)
-class EngineError:
-    code: ErrorCode
-    message: str
-    field: str = ""
-
-
-class EngineUnavailableError(Exception):
-    """No engine can take the request, or the one serving it went away; safe to retry."""
-
-
-@dataclass
-class SamplingParams:
-    """Token-level controls sent to the engine; defaults are the neutral values."""
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
-
-
-@dataclass
-class EngineOutput:
-    """What one request produced in one or more engine steps (merged while unread)."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: EngineError | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def merge(self, later: "EngineOutput") -> None:
-        self.new_token_ids.extend(later.new_token_ids)
-        self.logprobs.extend(later.logprobs)
-        self.prompt_logprobs.extend(later.prompt_logprobs)
-        self.num_prompt_tokens = max(self.num_prompt_tokens, later.num_prompt_tokens)
-        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
-        if later.finished:
-            self.finish_reason, self.stop_token_id, self.error = later.finish_reason, later.stop_token_id, later.error
-
-
-@dataclass
-class EngineLoad:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
-    num_used_blocks: int = 0
-    draining: bool = False
-
-
-@dataclass
-class ModelInfo:
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-    architecture: str = ""
-    device: str = ""
 
 
 _FINISH = {
@@ -455,168 +348,6 @@ class EngineClient:
                 raise ValueError(f"{name}: sha256 {actual} does not match the engine's {digest}")
         logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
         return {name: bytes(buf) for name, buf in files.items()}
-
-
-class EngineRouter:
-    """All engines this frontend knows: a static list plus DNS names re-resolved periodically.
-
-    ``pick()`` returns the available engine (connected, not draining, not retiring) with
-    the least outstanding work: this frontend's in-flight requests on it plus the
-    engine's reported running and waiting requests. Ties are broken at random.
-    """
-
-    def __init__(
-        self,
-        targets: list[str],
-        *,
-        dns_refresh_s: float = 10.0,
-        credentials: grpc.ChannelCredentials | None = None,
-        max_message_bytes: int = 16 * 1024 * 1024,
-    ) -> None:
-        self._static = [t for t in targets if not t.startswith("dns:")]
-        self._dns = [parse_dns_target(t) for t in targets if t.startswith("dns:")]
-        self._dns_refresh_s = dns_refresh_s
-        self._credentials = credentials
-        self._max_message_bytes = max_message_bytes
-        self._clients: dict[str, EngineClient] = {}
-        self._resolved: dict[tuple[str, int], set[str]] = {}
-        self._listeners: list[Callable[[], None]] = []
-        self._connected = asyncio.Event()
-        self._refresh_task: asyncio.Task | None = None
-        self._retire_tasks: set[asyncio.Task] = set()
-
-    @property
-    def clients(self) -> list[EngineClient]:
-        return list(self._clients.values())
-
-    @property
-    def healthy(self) -> bool:
-        return any(c.connected for c in self._clients.values())
-
-    @property
-    def num_connected(self) -> int:
-        return sum(c.connected for c in self._clients.values())
-
-    @property
-    def model_info(self) -> ModelInfo | None:
-        return next((c.model_info for c in self._clients.values() if c.connected and c.model_info), None)
-
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever an engine connects, disconnects or starts/stops draining."""
-        self._listeners.append(callback)
-
-    async def start(self) -> None:
-        for address in self._static:
-            self._add_client(address, None)
-        if self._dns:
-            await self.refresh()
-            self._refresh_task = asyncio.create_task(self._refresh_loop(), name="engine dns refresh")
-
-    async def close(self) -> None:
-        if self._refresh_task is not None:
-            self._refresh_task.cancel()
-        for task in self._retire_tasks:
-            task.cancel()
-        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
-        self._clients.clear()
-
-    async def wait_connected(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self._connected.wait(), timeout)
-
-    def pick(self, exclude: Sequence[EngineClient] = ()) -> EngineClient:
-        candidates = [c for c in self._clients.values() if c.available and c not in exclude]
-        if not candidates:
-            raise EngineUnavailableError(
-                f"no engine is available ({len(self._clients)} known, {self.num_connected} connected, "
-                "none accepting requests); retry later"
-            )
-        return min(candidates, key=lambda c: (c.outstanding_work, random.random()))
-
-    async def fetch_tokenizer_files(self) -> dict[str, bytes]:
-        """Tokenizer files from the first connected engine that serves them intact."""
-        errors = []
-        for client in [c for c in self._clients.values() if c.connected]:
-            try:
-                return await client.fetch_tokenizer_files()
-            except (grpc.aio.AioRpcError, ValueError) as e:
-                errors.append(f"{client.address}: {e}")
-        raise EngineUnavailableError("cannot fetch the tokenizer: " + ("; ".join(errors) or "no engine connected"))
-
-    def _changed(self) -> None:
-        if self.healthy:
-            self._connected.set()
-        else:
-            self._connected.clear()
-        for callback in self._listeners:
-            callback()
-
-    def _add_client(self, address: str, tls_server_name: str | None) -> None:
-        client = EngineClient(
-            address, credentials=self._credentials, tls_server_name=tls_server_name,
-            max_message_bytes=self._max_message_bytes, on_change=self._changed,
-        )
-        self._clients[address] = client
-        client.start()
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._dns_refresh_s)
-            await self.refresh()
-
-    async def refresh(self) -> None:
-        """Re-resolve the DNS names; start clients for new addresses, retire vanished ones."""
-        loop = asyncio.get_running_loop()
-        resolved: dict[tuple[str, int], set[str]] = {}
-        for name, port in self._dns:
-            try:
-                infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-                resolved[(name, port)] = {_join_host_port(info[4][0], port) for info in infos}
-            except OSError as e:
-                resolved[(name, port)] = self._resolved.get((name, port), set())
-                logger.warning("cannot resolve %s: %s; keeping its %d known engines",
-                               name, e, len(resolved[(name, port)]))
-        self._resolved = resolved
-        wanted = {a: None for a in self._static}
-        for (name, _), addresses in self._resolved.items():
-            wanted.update({a: name for a in addresses if a not in wanted})
-        for address, name in wanted.items():
-            client = self._clients.get(address)
-            if client is None:
-                logger.info("engine %s discovered (%s)", address, name)
-                self._add_client(address, name)
-            elif client.retiring:
-                client.retiring = False
-        for address, client in list(self._clients.items()):
-            if address not in wanted and not client.retiring:
-                logger.info("engine %s vanished from DNS; closing it once its %d requests end",
-                            address, client.num_outstanding)
-                client.retiring = True
-                task = asyncio.create_task(self._retire(client))
-                self._retire_tasks.add(task)
-                task.add_done_callback(self._retire_tasks.discard)
-
-    async def _retire(self, client: EngineClient) -> None:
-        while client.num_outstanding and client.retiring:
-            await asyncio.sleep(0.2)
-        if client.retiring and self._clients.get(client.address) is client:
-            del self._clients[client.address]
-            await client.close("the engine vanished from DNS")
-            self._changed()
-
-
-def parse_dns_target(target: str) -> tuple[str, int]:
-    """``dns:///NAME:PORT`` (or ``dns://AUTHORITY/NAME:PORT``) -> (NAME, PORT)."""
-    rest = target[len("dns:"):]
-    if rest.startswith("//"):
-        rest = rest[2:].partition("/")[2]
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"engine target {target!r}: expected dns:///NAME:PORT")
-    return host.strip("[]"), int(port)
-
-
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def _drain(outbox: asyncio.Queue):

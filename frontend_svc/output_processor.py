@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
-from frontend_svc.engine_client import EngineOutput, FinishReason, TokenLogprob
+from frontend_svc.engine_types import EngineOutput, FinishReason, TokenLogprob
 from frontend_svc.stop_checker import StopChecker
 from frontend_svc.tokenizer import Tokenizer
 

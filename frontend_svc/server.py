@@ -21,7 +21,8 @@ from grpc_reflection.v1alpha import reflection
 
 from frontend_svc import servicer as generate
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_client import EngineRouter, engine_credentials
+from frontend_svc.engine_client import engine_credentials
+from frontend_svc.engine_router import EngineRouter
 from frontend_svc.malformed import MalformedRequestInterceptor
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.tokenizer import Tokenizer

@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from frontend_svc.engine_client import (
-    EngineRouter, EngineUnavailableError, ErrorCode, FinishReason, ModelInfo, SamplingParams,
-)
+from frontend_svc.engine_router import EngineRouter
+from frontend_svc.engine_types import EngineUnavailableError, ErrorCode, FinishReason, ModelInfo, SamplingParams
 from frontend_svc.metrics import FrontendMetrics
 from frontend_svc.output_processor import ChoiceOutput, ChoiceProcessor, LogprobText, TextParams, TokenTexts
 from frontend_svc.request_stats import GenerateStats

@@ -6,10 +6,9 @@ import asyncio
 
 import pytest
 
-from frontend_svc.engine_client import (
-    EngineClient, EngineLoad, EngineOutput, EngineRouter, EngineUnavailableError, FinishReason, RequestHandle,
-    parse_dns_target,
-)
+from frontend_svc.engine_client import EngineClient, RequestHandle
+from frontend_svc.engine_router import EngineRouter, parse_dns_target
+from frontend_svc.engine_types import EngineLoad, EngineOutput, EngineUnavailableError, FinishReason
 
 
 def test_parse_dns_target():

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.engine_client import EngineOutput, FinishReason, TokenLogprob
+from frontend_svc.engine_types import EngineOutput, FinishReason, TokenLogprob
 from frontend_svc.output_processor import ChoiceProcessor, TextParams
 from frontend_svc.tokenizer import Tokenizer
 from tests.frontend.tokenizer_factory import KINDS, tokenizer_files

@@ -1,0 +1,178 @@
+"""Routing over every engine this frontend knows: static addresses and DNS names."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine_types import EngineUnavailableError, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRouter:
+    """All engines this frontend knows: a static list plus DNS names re-resolved periodically.
+
+    ``pick()`` returns the available engine (connected, not draining, not retiring) with
+    the least outstanding work: this frontend's in-flight requests on it plus the
+    engine's reported running and waiting requests. Ties are broken at random.
+    """
+
+    def __init__(
+        self,
+        targets: list[str],
+        *,
+        dns_refresh_s: float = 10.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        self._static = [t for t in targets if not t.startswith("dns:")]
+        self._dns = [parse_dns_target(t) for t in targets if t.startswith("dns:")]
+        self._dns_refresh_s = dns_refresh_s
+        self._credentials = credentials
+        self._max_message_bytes = max_message_bytes
+        self._clients: dict[str, EngineClient] = {}
+        self._resolved: dict[tuple[str, int], set[str]] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._connected = asyncio.Event()
+        self._refresh_task: asyncio.Task | None = None
+        self._retire_tasks: set[asyncio.Task] = set()
+
+    @property
+    def clients(self) -> list[EngineClient]:
+        return list(self._clients.values())
+
+    @property
+    def healthy(self) -> bool:
+        return any(c.connected for c in self._clients.values())
+
+    @property
+    def num_connected(self) -> int:
+        return sum(c.connected for c in self._clients.values())
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return next((c.model_info for c in self._clients.values() if c.connected and c.model_info), None)
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever an engine connects, disconnects or starts/stops draining."""
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        for address in self._static:
+            self._add_client(address, None)
+        if self._dns:
+            await self.refresh()
+            self._refresh_task = asyncio.create_task(self._refresh_loop(), name="engine dns refresh")
+
+    async def close(self) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+        for task in self._retire_tasks:
+            task.cancel()
+        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+        self._clients.clear()
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._connected.wait(), timeout)
+
+    def pick(self, exclude: Sequence[EngineClient] = ()) -> EngineClient:
+        candidates = [c for c in self._clients.values() if c.available and c not in exclude]
+        if not candidates:
+            raise EngineUnavailableError(
+                f"no engine is available ({len(self._clients)} known, {self.num_connected} connected, "
+                "none accepting requests); retry later"
+            )
+        return min(candidates, key=lambda c: (c.outstanding_work, random.random()))
+
+    async def fetch_tokenizer_files(self) -> dict[str, bytes]:
+        """Tokenizer files from the first connected engine that serves them intact."""
+        errors = []
+        for client in [c for c in self._clients.values() if c.connected]:
+            try:
+                return await client.fetch_tokenizer_files()
+            except (grpc.aio.AioRpcError, ValueError) as e:
+                errors.append(f"{client.address}: {e}")
+        raise EngineUnavailableError("cannot fetch the tokenizer: " + ("; ".join(errors) or "no engine connected"))
+
+    def _changed(self) -> None:
+        if self.healthy:
+            self._connected.set()
+        else:
+            self._connected.clear()
+        for callback in self._listeners:
+            callback()
+
+    def _add_client(self, address: str, tls_server_name: str | None) -> None:
+        client = EngineClient(
+            address, credentials=self._credentials, tls_server_name=tls_server_name,
+            max_message_bytes=self._max_message_bytes, on_change=self._changed,
+        )
+        self._clients[address] = client
+        client.start()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._dns_refresh_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Re-resolve the DNS names; start clients for new addresses, retire vanished ones."""
+        loop = asyncio.get_running_loop()
+        resolved: dict[tuple[str, int], set[str]] = {}
+        for name, port in self._dns:
+            try:
+                infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+                resolved[(name, port)] = {_join_host_port(info[4][0], port) for info in infos}
+            except OSError as e:
+                resolved[(name, port)] = self._resolved.get((name, port), set())
+                logger.warning("cannot resolve %s: %s; keeping its %d known engines",
+                               name, e, len(resolved[(name, port)]))
+        self._resolved = resolved
+        wanted = {a: None for a in self._static}
+        for (name, _), addresses in self._resolved.items():
+            wanted.update({a: name for a in addresses if a not in wanted})
+        for address, name in wanted.items():
+            client = self._clients.get(address)
+            if client is None:
+                logger.info("engine %s discovered (%s)", address, name)
+                self._add_client(address, name)
+            elif client.retiring:
+                client.retiring = False
+        for address, client in list(self._clients.items()):
+            if address not in wanted and not client.retiring:
+                logger.info("engine %s vanished from DNS; closing it once its %d requests end",
+                            address, client.num_outstanding)
+                client.retiring = True
+                task = asyncio.create_task(self._retire(client))
+                self._retire_tasks.add(task)
+                task.add_done_callback(self._retire_tasks.discard)
+
+    async def _retire(self, client: EngineClient) -> None:
+        while client.num_outstanding and client.retiring:
+            await asyncio.sleep(0.2)
+        if client.retiring and self._clients.get(client.address) is client:
+            del self._clients[client.address]
+            await client.close("the engine vanished from DNS")
+            self._changed()
+
+
+def parse_dns_target(target: str) -> tuple[str, int]:
+    """``dns:///NAME:PORT`` (or ``dns://AUTHORITY/NAME:PORT``) -> (NAME, PORT)."""
+    rest = target[len("dns:"):]
+    if rest.startswith("//"):
+        rest = rest[2:].partition("/")[2]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"engine target {target!r}: expected dns:///NAME:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
