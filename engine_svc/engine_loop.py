@@ -118,10 +118,11 @@ class EngineLoop:
         self.draining = True
 
     def num_unfinished(self) -> int:
+        # Called from the event loop while the engine thread edits the streams: list()
+        # copies under the GIL in one step, where iterating the live dict could fail.
         with self._cond:
-            return sum(len(s.live) for s in self._streams.values()) + sum(
-                1 for c in self._commands if c[0] == "add"
-            )
+            queued = sum(1 for c in self._commands if c[0] == "add")
+        return queued + sum(len(s.live) for s in list(self._streams.values()))
 
     def abort_all(self) -> None:
         self._push(("abort_all", -1, None))
