@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -104,3 +105,18 @@ def start_engine(model_dir: Path | str, *extra: str, port: int = 0, env=None) ->
 def start_frontend(*engines: str, extra: tuple[str, ...] = (), port: int = 0, env=None) -> ServiceProcess:
     args = [a for e in engines for a in ("--engine", e)]
     return ServiceProcess("frontend_svc", [*args, "--port", str(port), *extra], env=env)
+
+
+@contextmanager
+def running_pair(model_dir: Path | str, *engine_args: str):
+    """An engine and a frontend connected to it, both SERVING; both stopped on exit."""
+    engine = start_engine(model_dir, *engine_args)
+    frontend = None
+    try:
+        engine.wait_serving()
+        frontend = start_frontend(engine.address)
+        yield engine, frontend.wait_serving()
+    finally:
+        if frontend is not None:
+            frontend.terminate()
+        engine.terminate()

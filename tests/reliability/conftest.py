@@ -11,21 +11,13 @@ from contextlib import ExitStack
 
 import pytest
 
-from tests.services import ServiceProcess, start_engine, start_frontend
+from tests.services import ServiceProcess, running_pair
 
 
 @pytest.fixture(scope="package")
 def shared(demo_model_dir):
-    engine = start_engine(demo_model_dir, "--num-kv-blocks", "512")
-    frontend = None
-    try:
-        engine.wait_serving()
-        frontend = start_frontend(engine.address)
-        yield engine, frontend.wait_serving()
-    finally:
-        if frontend is not None:
-            frontend.terminate()
-        engine.terminate()
+    with running_pair(demo_model_dir, "--num-kv-blocks", "512") as pair:
+        yield pair
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tests.rpc.engine_stream import EngineStream
 from tests.rpc.frontend_calls import by_choice, generate, ids_of, stub_of, text_of, wait_engine_idle
-from tests.services import start_engine, start_frontend
+from tests.services import running_pair
 
 PROMPT = "The capital of France is"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -18,16 +18,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def services(demo_model_dir):
-    engine = start_engine(demo_model_dir, "--num-kv-blocks", "512")
-    frontend = None
-    try:
-        engine.wait_serving()
-        frontend = start_frontend(engine.address)
-        yield engine, frontend.wait_serving()
-    finally:
-        if frontend is not None:
-            frontend.terminate()
-        engine.terminate()
+    with running_pair(demo_model_dir, "--num-kv-blocks", "512") as pair:
+        yield pair
 
 
 @pytest.fixture
