@@ -67,6 +67,7 @@ class CallRecord:
     completion_tokens: int | None = None
     num_responses: int = 0
     ended_at: float = 0.0
+    call_index: int = -1  # set by tests that tell their calls apart
 
     def check_complete_or_explained(self, *explained: grpc.StatusCode) -> None:
         """OK calls hold every token they were promised; the others end with a named status."""

@@ -2,6 +2,8 @@
 
 Every call ends OK (with all its tokens), CANCELLED or DEADLINE_EXCEEDED; afterwards the
 engine runs nothing, queues nothing and holds no KV block, and both services are healthy.
+Each call forces its own token with a large logit bias, so a token that reaches the wrong
+client shows up as a foreign id.
 """
 
 from __future__ import annotations
@@ -21,12 +23,18 @@ NUM_CLIENTS = 50
 CALLS_PER_CLIENT = 10
 
 
+def _own_token(i: int) -> int:
+    return 3 + i % 2000  # inside the demo vocabulary, below its special tokens
+
+
 async def _one_call(stub, rng: random.Random, i: int) -> tuple[str, CallRecord]:
     kind = rng.choice(["complete", "complete", "cancel-after-pieces", "cancel-early", "deadline"])
     max_tokens = rng.randint(1, 8) if kind == "complete" else rng.randint(8, 64)
     record = CallRecord(max_tokens=max_tokens)
     timeout = rng.uniform(0.01, 0.6) if kind == "deadline" else 60
-    call = stub.Generate(request(f"call {i}", max_tokens=max_tokens, n=rng.choice([1, 1, 1, 2])), timeout=timeout)
+    record.call_index = i
+    params = dict(max_tokens=max_tokens, n=rng.choice([1, 1, 1, 2]), logit_bias={_own_token(i): 100.0})
+    call = stub.Generate(request(f"call {i}", **params), timeout=timeout)
     if kind == "complete" or kind == "deadline":
         return kind, await read_call(call, record)
     if kind == "cancel-early":
@@ -66,6 +74,10 @@ async def test_five_hundred_calls_with_cancels_and_deadlines(shared):
             if r.code == grpc.StatusCode.OK and r.completion_tokens is not None:
                 assert r.finish_reason and r.completion_tokens == r.max_tokens, (kind, r)
         assert codes[("deadline", "DEADLINE_EXCEEDED")] and codes[("cancel-after-pieces", "CANCELLED")], codes
+        foreign = [(r.call_index, r.token_ids) for _, r in results
+                   if any(t != _own_token(r.call_index) for t in r.token_ids)]
+        assert not foreign, f"tokens reached the wrong call: {foreign[:5]}"
+        assert sum(len(r.token_ids) for _, r in results) > 500  # the check saw real traffic
 
         assert await wait_engine_drained(engine.address, timeout=10) < 10
         await wait_health(frontend, SERVING, timeout=5)
