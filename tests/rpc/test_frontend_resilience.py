@@ -173,3 +173,54 @@ async def test_sigterm_lets_in_flight_calls_finish(demo_model_dir, procs):
         assert responses[-1].finish_reason == g.FINISH_REASON_LENGTH and len(ids_of(responses)) == 200
     assert await asyncio.to_thread(frontend.proc.wait, 30) == 0
     assert "shutting down" in frontend.log()
+
+
+async def _end_code(call, timeout: float):
+    """The call's status once it ends, or None if it is still streaming after ``timeout``."""
+    async def drain():
+        try:
+            async for _ in call:
+                pass
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+    try:
+        return await asyncio.wait_for(drain(), timeout)
+    except asyncio.TimeoutError:
+        return None
+
+
+async def test_killed_engine_of_two_fails_its_calls_and_is_used_again_after_restart(demo_model_dir, procs):
+    port = free_port()
+    doomed = procs(start_engine(demo_model_dir, port=port)).wait_serving()
+    other = procs(start_engine(demo_model_dir)).wait_serving()
+    frontend = procs(start_frontend(doomed.address, other.address)).wait_serving()
+    async with frontend_stub(frontend) as stub:
+        calls = [stub.Generate(g.GenerateRequest(text=f"hi {i}", sampling_params=g.SamplingParams(**LONG)))
+                 for i in range(6)]
+        await asyncio.gather(*(_first(c) for c in calls))
+        on_doomed = (await engine_load(doomed.address)).num_running
+        assert on_doomed >= 1
+        doomed.kill()
+        codes = await asyncio.gather(*(_end_code(c, timeout=5.0) for c in calls))
+        # Calls on the killed engine end UNAVAILABLE; the others stream on.
+        assert codes.count(grpc.StatusCode.UNAVAILABLE) == on_doomed, codes
+        assert codes.count(None) == len(calls) - on_doomed, codes
+        for c in calls:
+            c.cancel()
+        for i in range(4):
+            assert ids_of(await generate(stub, text=f"after {i}", params=dict(max_tokens=3, temperature=0.0,
+                                                                              ignore_eos=True)))
+        procs(start_engine(demo_model_dir, port=port)).wait_serving()
+        deadline = time.monotonic() + 30
+        while (await stub.GetModelInfo(g.GetModelInfoRequest())).num_engines < 2:
+            assert time.monotonic() < deadline, "the restarted engine was not reconnected"
+            await asyncio.sleep(0.1)
+        calls = [stub.Generate(g.GenerateRequest(text=f"again {i}", sampling_params=g.SamplingParams(**LONG)))
+                 for i in range(6)]
+        await asyncio.gather(*(_first(c) for c in calls))
+        assert (await engine_load(doomed.address)).num_running >= 1  # the restarted engine takes work
+        for c in calls:
+            c.cancel()
+        await wait_engine_idle(other.address)
