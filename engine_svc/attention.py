@@ -31,6 +31,9 @@ its request plus the rows of its own chunk up to itself (causal with an offset).
   A decode row has one query per head, so the query heads that share a KV head are laid
   along the query-length axis: q ``[n, kv_heads, group, head_dim]`` meets K/V
   ``[n, kv_heads, ctx, head_dim]`` with no KV expansion.
+* On CPU in float32, when the native kernel (engine_svc/native) is built, decodes skip
+  the gather: one call per layer reads every decode row's blocks in place
+  (``decode_kernel``), with the step's block table as int32 ``[num_decodes, max_blocks]``.
 * Each prefill chunk has its own SDPA call: ``is_causal`` on its fresh K/V when it starts
   at position 0 (nothing to gather), else a gather plus an offset causal mask.
 """
@@ -42,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine_svc.native import DecodeAttentionKernel
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,11 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     workspace: KVCache | None = None  # K and V gather buffers [tokens, kv_heads, head_dim], reused by every layer
+    num_decodes: int = 0
+    decode_kernel: DecodeAttentionKernel | None = None  # set: decodes go through it instead of decode_groups
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int32, for decode_kernel
+    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int32
+    max_decode_ctx_len: int = 0
 
     @classmethod
     def build(
@@ -100,6 +110,7 @@ class AttentionMetadata:
         positions: torch.Tensor | None = None,
         workspace: KVCache | None = None,
         decode_group_size: int | None = None,
+        decode_kernel: DecodeAttentionKernel | None = None,
     ) -> AttentionMetadata:
         """Index tensors for one step.
 
@@ -108,7 +119,8 @@ class AttentionMetadata:
         tokens. Requests with ``query_len == 1`` must come first. Masks are additive in
         ``dtype`` (the model's), which SDPA takes as is. ``positions`` is
         ``flat_positions(query_lens, starts)`` (CPU) when the caller has it already. The
-        ``workspace`` size caps how many decode rows share one gather.
+        ``workspace`` size caps how many decode rows share one gather. With
+        ``decode_kernel``, decode rows are left to it (no groups are built).
         """
         decode_group_size = decode_group_size or DECODE_GROUP_SIZE
         num_reqs = len(query_lens)
@@ -133,15 +145,26 @@ class AttentionMetadata:
         req_of_row = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(query_lens))  # [num_tokens]
         slot_mapping = table[req_of_row, positions // block_size] * block_size + positions % block_size
 
-        meta = cls(block_size=block_size, slot_mapping=slot_mapping.to(device, non_blocking=True), workspace=workspace)
+        meta = cls(
+            block_size=block_size,
+            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            workspace=workspace,
+            num_decodes=num_decodes,
+        )
+        if decode_kernel is not None and num_decodes:
+            meta.decode_kernel = decode_kernel
+            meta.decode_block_table = table[:num_decodes].to(torch.int32)
+            meta.decode_ctx_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32)
+            meta.max_decode_ctx_len = max(seq_lens[:num_decodes])
+        grouped = 0 if meta.decode_kernel is not None else num_decodes  # decode rows left to SDPA groups
         # Decode rows per group: at most decode_group_size, and the padded gather must fit
         # the workspace (a single row that does not fit gathers into fresh memory).
         capacity = workspace[0].shape[0] if workspace is not None else max_blocks * block_size * decode_group_size
         i = 0
-        while i < num_decodes:
+        while i < grouped:
             # Grow the group while the padded gather fits the workspace.
             j, group_blocks = i, 0
-            while j < num_decodes and j - i < decode_group_size:
+            while j < grouped and j - i < decode_group_size:
                 nb = max(group_blocks, blocks_needed[j])
                 if j > i and (j + 1 - i) * nb * block_size > capacity:
                     break
@@ -228,6 +251,13 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
+
+    if meta.decode_kernel is not None:
+        n = meta.num_decodes
+        meta.decode_kernel(
+            out[:n], q[:n].contiguous(), kv_cache[0], kv_cache[1],
+            meta.decode_block_table, meta.decode_ctx_lens, meta.max_decode_ctx_len, scale,
+        )  # fmt: skip
 
     for g in meta.decode_groups:
         n, ctx = g.num_rows, g.num_blocks * meta.block_size

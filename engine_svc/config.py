@@ -33,6 +33,7 @@ class EngineConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     num_threads: int | None = None
+    kernels: str = "auto"
     seed: int = 0
 
     @classmethod
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap (default: the model's max_position_embeddings)")
     m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    m.add_argument("--kernels", default=d.kernels, choices=["auto", "torch"],
+                   help="auto: on CPU, matmuls use weights pre-packed for oneDNN and, in float32, decode "
+                   "attention runs a native kernel compiled on first use (needs a C compiler); "
+                   "torch: plain torch ops everywhere (the reference path)")
     m.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's shared generator")
 
     s = p.add_argument_group("scheduler and KV cache")

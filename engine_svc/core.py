@@ -63,6 +63,8 @@ class EngineCore:
             kv_cache_bytes=kv_bytes,
             max_model_len=config.max_model_len,
             seed=config.seed,
+            kernels=config.kernels,
+            batch_size_hint=config.max_num_seqs,
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size

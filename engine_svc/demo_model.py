@@ -36,6 +36,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from tandem_common.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "tandem-demo-v1"
@@ -98,15 +100,8 @@ _build_lock = threading.Lock()
 
 
 def default_demo_model_dir() -> Path:
-    """``$TANDEM_CACHE_DIR`` or ``$XDG_CACHE_HOME/tandem`` or ``~/.cache/tandem``, then
-    ``demo-model-v1/``."""
-    if os.environ.get("TANDEM_CACHE_DIR"):
-        cache = Path(os.environ["TANDEM_CACHE_DIR"])
-    elif os.environ.get("XDG_CACHE_HOME"):
-        cache = Path(os.environ["XDG_CACHE_HOME"]) / "tandem"
-    else:
-        cache = Path.home() / ".cache" / "tandem"
-    return cache.expanduser() / DEMO_MODEL_DIR_NAME
+    """``demo-model-v1/`` in Tandem's cache directory (``tandem_common.cache.cache_dir``)."""
+    return cache_dir() / DEMO_MODEL_DIR_NAME
 
 
 def ensure_demo_model() -> Path:

@@ -20,6 +20,8 @@ import torch
 from engine_svc.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.models import load_model, read_special_token_ids
 from engine_svc.models.loader import resolve_dtype
+from engine_svc.models.packed_linear import pack_linears, packing_supported
+from engine_svc.native import load_decode_attention
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.request import Request, SamplingParams
 from engine_svc.sampler import Sampler
@@ -43,10 +45,21 @@ class ModelRunner:
         kv_cache_bytes: int | None,
         max_model_len: int | None,
         seed: int = 0,
+        kernels: str = "auto",
+        batch_size_hint: int = 64,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model, self.model_args = load_model(model_dir, self.device, self.dtype)
+        self.num_packed_linears = 0
+        if kernels == "auto" and packing_supported(self.device, self.dtype):
+            self.num_packed_linears = pack_linears(self.model, batch_size_hint)
+            logger.info("matmuls: %d linear layers packed for oneDNN", self.num_packed_linears)
+        self.decode_kernel = None
+        if kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.decode_kernel = load_decode_attention()
+            if self.decode_kernel is not None:
+                logger.info("decode attention: native kernel reading the paged KV cache in place")
         args = self.model_args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
@@ -154,6 +167,7 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             workspace=self.workspace,
+            decode_kernel=self.decode_kernel,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, positions.to(self.device, non_blocking=True), meta

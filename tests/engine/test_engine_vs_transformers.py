@@ -74,11 +74,23 @@ REGIMES = {
 }
 
 
+def _assert_kernels(core: EngineCore, kernels: str) -> None:
+    """The path under test is the one that ran: packed matmuls and the native decode
+    kernel with ``auto`` (a C compiler is part of the test set-up), neither with ``torch``."""
+    runner = core.runner
+    if kernels == "torch":
+        assert runner.num_packed_linears == 0 and runner.decode_kernel is None
+    else:
+        assert runner.num_packed_linears > 0 and runner.decode_kernel is not None
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_greedy_matches_transformers(model, regime):
+def test_greedy_matches_transformers(model, regime, kernels):
     path, hf = model
     prompts = _prompts(7, shared_prefix=40 if regime == "prefix_cache" else 0)
-    core = _engine(path, **REGIMES[regime])
+    core = _engine(path, kernels=kernels, **REGIMES[regime])
+    _assert_kernels(core, kernels)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     if regime == "prefix_cache":
         # Warm the cache with the shared prefix first, so every prompt then hits it.
@@ -94,9 +106,11 @@ def test_greedy_matches_transformers(model, regime):
     assert core.kv_cache.num_used_blocks == 0
 
 
-def test_prompt_and_output_logprobs_match_transformers(model):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_prompt_and_output_logprobs_match_transformers(model, kernels):
     path, hf = model
-    core = _engine(path, max_num_batched_tokens=40)  # prompts arrive in chunks
+    core = _engine(path, max_num_batched_tokens=40, kernels=kernels)  # prompts arrive in chunks
+    _assert_kernels(core, kernels)
     prompts = _prompts(3)[8:14]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     for prompt, result in zip(prompts, core.generate(prompts, params)):

@@ -1,0 +1,139 @@
+"""Native CPU kernels: C sources shipped with the package, compiled on first use.
+
+Only one kernel lives here: decode attention that reads the paged KV cache in place
+(``paged_attention.c``). Building it needs a C compiler with OpenMP (``$CC``, else ``cc``);
+the shared object is cached under ``tandem_common.cache.cache_dir() / "kernels"``, keyed
+by a hash of the source, the flags and the compiler's version, so a rebuild happens only
+when one of them changes (a build takes well under a second). Where no compiler is found
+or the build fails, ``load_decode_attention`` returns None and the engine keeps its
+plain-PyTorch path; the reason is logged once.
+
+ctypes releases the GIL for the duration of each call, so the gRPC threads keep running
+while the kernel works.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from tandem_common.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SYMBOL = "tandem_paged_decode_attention_f32"
+_lock = threading.Lock()
+_loaded: dict[str, DecodeAttentionKernel | None] = {}
+
+
+class DecodeAttentionKernel:
+    """Callable wrapper; argument checks live here so the C code can trust its inputs."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        max_ctx_len: int,
+        scale: float,
+    ) -> None:
+        """out/q ``[rows, heads, head_dim]``; caches ``[blocks, block_size, kv_heads, head_dim]``;
+        block_table ``[rows, stride]`` int32; ctx_lens ``[rows]`` int32. All float32, CPU,
+        contiguous. Fills ``out`` in place."""
+        num_rows, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        for t in (out, q, k_cache, v_cache):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("decode attention kernel takes contiguous float32 CPU tensors")
+        if block_table.dtype != torch.int32 or ctx_lens.dtype != torch.int32 or not block_table.is_contiguous():
+            raise ValueError("block_table and ctx_lens must be contiguous int32")
+        if out.shape != q.shape or v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim:
+            raise ValueError("decode attention kernel: shape mismatch")
+        if block_table.shape[0] != num_rows or ctx_lens.shape[0] != num_rows:
+            raise ValueError("decode attention kernel: one block-table row and one length per query row")
+        rc = self._fn(
+            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_table.data_ptr(), ctx_lens.data_ptr(),
+            num_rows, num_heads, num_kv_heads, head_dim, block_size,
+            block_table.shape[1], max_ctx_len, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"decode attention kernel failed (code {rc})")
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-std=gnu11", "-ffp-contract=fast", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
+    if capability.startswith("AVX"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _build(cc: str) -> Path:
+    """Compile the kernel if its cached build is missing; returns the shared object."""
+    flags = _flags()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *flags, version, sys.platform]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"paged_attention-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build under a private name, then rename: engines starting together never load a
+    # half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_decode_attention() -> DecodeAttentionKernel | None:
+    """The compiled kernel, or None (reason logged) if it cannot be built on this machine."""
+    with _lock:
+        if "kernel" in _loaded:
+            return _loaded["kernel"]
+        kernel = None
+        cc = _compiler()
+        if cc is None:
+            logger.warning("no C compiler (set CC or install cc); decode attention uses the PyTorch path")
+        elif not sys.platform.startswith("linux"):
+            logger.warning("native kernels are built on Linux only; decode attention uses the PyTorch path")
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build(cc)))
+                fn = getattr(lib, _SYMBOL)
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+                kernel = DecodeAttentionKernel(fn)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                logger.warning("native decode attention unavailable (%s); using the PyTorch path", e)
+        _loaded["kernel"] = kernel
+        return kernel
