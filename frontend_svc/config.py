@@ -19,6 +19,7 @@ class FrontendConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     max_stop_strings: int = 16
     max_n: int = 16
+    stream_interval: int = 1
     shutdown_timeout: float = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -50,6 +51,8 @@ class FrontendConfig:
             problems.append("--engine-tls-cert and --engine-tls-key go together")
         if self.max_n < 1:
             problems.append("--max-n must be at least 1")
+        if self.stream_interval < 1:
+            problems.append("--stream-interval must be at least 1")
         if self.max_stop_strings < 0:
             problems.append("--max-stop-strings must be >= 0")
         if self.dns_refresh_s <= 0:
@@ -113,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("request limits")
     r.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most stop strings per request")
     r.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    r.add_argument("--stream-interval", type=int, default=d.stream_interval, metavar="N",
+                   help="send a streamed choice its new text once N tokens have arrived (the first token "
+                   "and the end are sent at once); above 1 this trades inter-token latency for fewer "
+                   "messages and less frontend CPU per token")
 
     o = p.add_argument_group("observability")
     o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")

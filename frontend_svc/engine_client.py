@@ -61,17 +61,25 @@ class RequestHandle:
     consumer gets one coalesced delta, not a growing queue). ``wakeup`` is set on every
     delivery; several handles may share one event so that a caller waits on all of them.
     Iterate (``async for``) only when the event is not shared.
+
+    With ``stream_interval`` N > 1 the reader is woken only once N tokens are pending,
+    except for the first output, the last one and errors, which wake it at once; tokens
+    are never held back past the end of the request.
     """
 
-    def __init__(self, request_id: str, client: "EngineClient", wakeup: asyncio.Event | None) -> None:
+    def __init__(
+        self, request_id: str, client: "EngineClient", wakeup: asyncio.Event | None, stream_interval: int = 1
+    ) -> None:
         self.request_id = request_id
         self.client = client
         self.wakeup = wakeup or asyncio.Event()
         self.finished = False  # the engine confirmed the end
         self.aborted = False  # abort sent; outputs are dropped from now on
+        self.stream_interval = stream_interval
         self._pending: EngineOutput | None = None
         self._error: Exception | None = None
         self._done = False
+        self._woken = False  # the reader has been woken at least once
 
     def _deliver(self, out: EngineOutput) -> None:
         if self.aborted:
@@ -80,7 +88,15 @@ class RequestHandle:
             self._pending = out
         else:
             self._pending.merge(out)
-        self.wakeup.set()
+        pending = self._pending
+        if (
+            not self._woken
+            or pending.finished
+            or pending.error is not None
+            or len(pending.new_token_ids) >= self.stream_interval
+        ):
+            self._woken = True
+            self.wakeup.set()
 
     def _fail(self, error: Exception) -> None:
         self._error = error
@@ -288,13 +304,15 @@ class EngineClient:
         trace_context: dict[str, str] | None = None,
         arrival_time: float | None = None,
         wakeup: asyncio.Event | None = None,
+        stream_interval: int = 1,
     ) -> RequestHandle:
-        """Queue a request on this engine's stream; outputs arrive on the returned handle."""
+        """Queue a request on this engine's stream; outputs arrive on the returned handle,
+        which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle)."""
         if self._outbox is None or not self.connected:
             raise EngineUnavailableError(f"engine {self.address} is not connected")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id} is already in flight")
-        handle = RequestHandle(request_id, self, wakeup)
+        handle = RequestHandle(request_id, self, wakeup, stream_interval)
         self._requests[request_id] = handle
         add = engine_pb2.Add(
             request_id=request_id,

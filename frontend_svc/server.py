@@ -94,7 +94,7 @@ class FrontendServer:
         tracer = self.tracer_provider.get_tracer("frontend_svc") if self.tracer_provider is not None else None
         self.servicer = generate.GenerateServiceServicer(
             self.router, max_n=config.max_n, max_stop_strings=config.max_stop_strings,
-            metrics=self.metrics, tracer=tracer,
+            stream_interval=config.stream_interval, metrics=self.metrics, tracer=tracer,
         )
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

@@ -85,8 +85,9 @@ class Plan:
 
 class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, router: EngineRouter, *, max_n: int = 16, max_stop_strings: int = 16,
-                 metrics: FrontendMetrics | None = None, tracer=None) -> None:
+                 stream_interval: int = 1, metrics: FrontendMetrics | None = None, tracer=None) -> None:
         self.router = router
+        self.stream_interval = stream_interval
         self.max_n = max_n
         self.max_stop_strings = max_stop_strings
         self.metrics = metrics or FrontendMetrics()
@@ -152,7 +153,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             for i, rid in enumerate(rids):
                 handles.append(client.add(rid, plan.prompt_token_ids, plan.engine_params(i),
                                           priority=plan.priority, trace_context=trace_context,
-                                          arrival_time=arrival, wakeup=wakeup))
+                                          arrival_time=arrival, wakeup=wakeup,
+                                          stream_interval=self.stream_interval))
             logger.debug("Generate %s -> engine %s as %s", request.request_id or "-", client.address,
                          ",".join(h.request_id for h in handles))
             unfinished = set(range(plan.n))

@@ -10,7 +10,7 @@ import pytest
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tests.rpc.engine_stream import EngineStream
 from tests.rpc.frontend_calls import by_choice, generate, ids_of, stub_of, text_of, wait_engine_idle
-from tests.services import running_pair
+from tests.services import running_pair, start_frontend
 
 PROMPT = "The capital of France is"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -57,6 +57,22 @@ async def test_text_prompt_streams_deltas_and_ends_with_usage(stub, engine_addre
         await direct.wait("direct")
         direct.cancel()
     assert result.token_ids == ids
+
+
+async def test_stream_interval_sends_fewer_larger_messages(stub, services):
+    params = dict(max_tokens=21, **GREEDY)
+    every_token = await generate(stub, text=PROMPT, params=params)
+    frontend = start_frontend(services[0].address, extra=("--stream-interval", "5"))
+    try:
+        async with grpc.aio.insecure_channel(frontend.wait_serving().address) as channel:
+            batched = await generate(stub_of(channel), text=PROMPT, params=params)
+    finally:
+        frontend.terminate()
+    assert ids_of(batched) == ids_of(every_token) and text_of(batched) == text_of(every_token)
+    # The first token goes out at once, then pieces of at least 5 tokens, then the end.
+    first, *middle, last = batched
+    assert len(first.token_ids) >= 1 and all(len(r.token_ids) >= 5 for r in middle), [len(r.token_ids) for r in batched]
+    assert len(batched) <= 6 and last.finish_reason == g.FINISH_REASON_LENGTH
 
 
 async def test_token_ids_prompt_and_cached_tokens(stub):
