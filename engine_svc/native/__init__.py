@@ -2,11 +2,14 @@
 
 Only one kernel lives here: decode attention that reads the paged KV cache in place
 (``paged_attention.c``). Building it needs a C compiler with OpenMP (``$CC``, else ``cc``);
-the shared object is cached under ``tandem_common.cache.cache_dir() / "kernels"``, keyed
-by a hash of the source, the flags and the compiler's version, so a rebuild happens only
-when one of them changes (a build takes well under a second). Where no compiler is found
-or the build fails, ``load_decode_attention`` returns None and the engine keeps its
-plain-PyTorch path; the reason is logged once.
+the shared object is cached in ``$TANDEM_KERNEL_DIR`` (default: ``kernels/`` in
+``tandem_common.cache.cache_dir()``), named by a hash of the source and the flags, so a
+rebuild happens only when one of them changes (a build takes well under a second). A
+cached build is loaded without a compiler, which lets an image ship a prebuilt kernel
+(docker/engine.Dockerfile). The flags follow the CPU (AVX2 + FMA where torch reports
+AVX2 or better), so a build never runs on a CPU it was not made for: another CPU asks
+for another file. Where no build is cached and none can be made, ``load_decode_attention``
+returns None and the engine keeps its plain-PyTorch path; the reason is logged once.
 
 ctypes releases the GIL for the duration of each call, so the gRPC threads keep running
 while the kernel works.
@@ -91,14 +94,16 @@ def _flags() -> list[str]:
     return flags
 
 
-def _build(cc: str) -> Path:
-    """Compile the kernel if its cached build is missing; returns the shared object."""
+def _target() -> Path:
+    """Where this source, built with this CPU's flags, is (or will be) cached."""
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_flags(), sys.platform]).encode()).hexdigest()[:16]
+    folder = Path(os.environ["TANDEM_KERNEL_DIR"]) if os.environ.get("TANDEM_KERNEL_DIR") else cache_dir() / "kernels"
+    return folder / f"paged_attention-{key}.so"
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile the kernel into ``target``."""
     flags = _flags()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *flags, version, sys.platform]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"paged_attention-{key}.so"
-    if target.is_file():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build under a private name, then rename: engines starting together never load a
     # half-written file.
@@ -112,7 +117,6 @@ def _build(cc: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
 
 
 def load_decode_attention() -> DecodeAttentionKernel | None:
@@ -121,14 +125,16 @@ def load_decode_attention() -> DecodeAttentionKernel | None:
         if "kernel" in _loaded:
             return _loaded["kernel"]
         kernel = None
-        cc = _compiler()
-        if cc is None:
-            logger.warning("no C compiler (set CC or install cc); decode attention uses the PyTorch path")
-        elif not sys.platform.startswith("linux"):
+        target, cc = _target(), _compiler()
+        if not sys.platform.startswith("linux"):
             logger.warning("native kernels are built on Linux only; decode attention uses the PyTorch path")
+        elif not target.is_file() and cc is None:
+            logger.warning("no C compiler (set CC or install cc); decode attention uses the PyTorch path")
         else:
             try:
-                lib = ctypes.CDLL(str(_build(cc)))
+                if not target.is_file():
+                    _build(cc, target)
+                lib = ctypes.CDLL(str(target))
                 fn = getattr(lib, _SYMBOL)
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]

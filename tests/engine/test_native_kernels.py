@@ -3,7 +3,10 @@ oneDNN-packed linear layers."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,3 +81,18 @@ def test_packed_linears_match_plain_linears():
         assert all(isinstance(model[i], PackedLinear) for i in (0, 2))
         for rows in (1, 5):
             torch.testing.assert_close(model(x[:rows]), want[:rows], atol=1e-5, rtol=1e-5)
+
+
+_LOAD = "from engine_svc.native import load_decode_attention as k; print(k() is not None)"
+
+
+def _loads(kernel_dir, cc: str | None) -> bool:
+    env = {**os.environ, "TANDEM_KERNEL_DIR": str(kernel_dir), "CC": cc or "/nonexistent/cc"}
+    out = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.strip() == "True"
+
+
+def test_prebuilt_kernel_loads_without_a_compiler_and_none_falls_back(tmp_path):
+    assert not _loads(tmp_path / "empty", cc=None)  # nothing cached, nothing to build with
+    assert _loads(tmp_path / "kernels", cc=shutil.which("cc"))  # builds
+    assert _loads(tmp_path / "kernels", cc=None)  # the cached build, no compiler needed
