@@ -58,13 +58,11 @@ class RequestHandle:
     """The frontend's end of one engine request.
 
     Outputs that arrive before the consumer reads are merged into one (so a slow
-    consumer gets one coalesced delta, not a growing queue). ``wakeup`` is set on every
-    delivery; several handles may share one event so that a caller waits on all of them.
-    Iterate (``async for``) only when the event is not shared.
-
-    With ``stream_interval`` N > 1 the reader is woken only once N tokens are pending,
-    except for the first output, the last one and errors, which wake it at once; tokens
-    are never held back past the end of the request.
+    consumer gets one coalesced delta, not a growing queue). ``wakeup`` is set when the
+    reader should look: on the first output, the last one, an error, and whenever
+    ``stream_interval`` tokens are pending (every delivery at the default of 1). Several
+    handles may share one event so that a caller waits on all of them. Iterate
+    (``async for``) only when the event is not shared.
     """
 
     def __init__(

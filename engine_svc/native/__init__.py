@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_attention.c")
 _SYMBOL = "tandem_paged_decode_attention_f32"
 _lock = threading.Lock()
-_loaded: dict[str, DecodeAttentionKernel | None] = {}
+_UNSET = object()
+_kernel = _UNSET  # DecodeAttentionKernel | None once load_decode_attention has run
 
 
 class DecodeAttentionKernel:
@@ -94,16 +95,15 @@ def _flags() -> list[str]:
     return flags
 
 
-def _target() -> Path:
-    """Where this source, built with this CPU's flags, is (or will be) cached."""
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_flags(), sys.platform]).encode()).hexdigest()[:16]
+def _target(flags: list[str]) -> Path:
+    """Where this source, built with these flags, is (or will be) cached."""
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *flags, sys.platform]).encode()).hexdigest()[:16]
     folder = Path(os.environ["TANDEM_KERNEL_DIR"]) if os.environ.get("TANDEM_KERNEL_DIR") else cache_dir() / "kernels"
     return folder / f"paged_attention-{key}.so"
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, flags: list[str], target: Path) -> None:
     """Compile the kernel into ``target``."""
-    flags = _flags()
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build under a private name, then rename: engines starting together never load a
     # half-written file.
@@ -121,11 +121,13 @@ def _build(cc: str, target: Path) -> None:
 
 def load_decode_attention() -> DecodeAttentionKernel | None:
     """The compiled kernel, or None (reason logged) if it cannot be built on this machine."""
+    global _kernel
     with _lock:
-        if "kernel" in _loaded:
-            return _loaded["kernel"]
+        if _kernel is not _UNSET:
+            return _kernel
         kernel = None
-        target, cc = _target(), _compiler()
+        flags = _flags()
+        target, cc = _target(flags), _compiler()
         if not sys.platform.startswith("linux"):
             logger.warning("native kernels are built on Linux only; decode attention uses the PyTorch path")
         elif not target.is_file() and cc is None:
@@ -133,7 +135,7 @@ def load_decode_attention() -> DecodeAttentionKernel | None:
         else:
             try:
                 if not target.is_file():
-                    _build(cc, target)
+                    _build(cc, flags, target)
                 lib = ctypes.CDLL(str(target))
                 fn = getattr(lib, _SYMBOL)
                 fn.restype = ctypes.c_int
@@ -141,5 +143,5 @@ def load_decode_attention() -> DecodeAttentionKernel | None:
                 kernel = DecodeAttentionKernel(fn)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 logger.warning("native decode attention unavailable (%s); using the PyTorch path", e)
-        _loaded["kernel"] = kernel
+        _kernel = kernel
         return kernel

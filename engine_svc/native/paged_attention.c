@@ -25,10 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for x <= 0 as a polynomial the compiler can vectorise (Cephes expf: range
- * reduction by ln 2, degree-5 minimax; relative error ~1e-7 on [-87, 0]). */
 #define MAX_HEADS 1024
 
+/* exp(x) for x <= 0 as a polynomial the compiler can vectorise (Cephes expf: range
+ * reduction by ln 2, degree-5 minimax; relative error ~1e-7 on [-87, 0]). */
 static inline float exp_nonpositive(float x) {
     x = fmaxf(x, -87.0f);
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
@@ -159,14 +159,10 @@ int tandem_paged_decode_attention_f32(
 #pragma omp for schedule(dynamic, 1)
         for (int row = 0; row < num_rows; row++) {
             if (scores == NULL) continue;
-            const int len = ctx_lens[row];
+            const int len = ctx_lens[row] > 0 ? ctx_lens[row] : 0;
             const int32_t *table = block_table + (size_t)row * table_stride;
             const float *qr = q + (size_t)row * num_heads * head_dim;
-            float *orow = out + (size_t)row * num_heads * head_dim;
-            if (len <= 0) {
-                memset(orow, 0, sizeof(float) * (size_t)num_heads * head_dim);
-                continue;
-            }
+            float *orow = out + (size_t)row * num_heads * head_dim; /* all zeros when len <= 0 */
             if (head_dim == 64)
                 row_attention(orow, qr, k_cache, v_cache, table, len, num_heads, kv_head_of, 64, block_size, token_stride, scale, scores);
             else if (head_dim == 128)
