@@ -120,11 +120,17 @@ class EngineServer:
 
         cfg = self.config
         t0 = time.perf_counter()
-        core = await asyncio.to_thread(EngineCore, cfg)
-        await asyncio.to_thread(core.warmup)
-        self.engine = EngineLoop(core, max_waiting=cfg.max_waiting)
+
+        def build() -> EngineCore:
+            core = EngineCore(cfg)
+            core.warmup()
+            return core
+
+        self.engine = EngineLoop(max_waiting=cfg.max_waiting)
+        # Built on the thread that will step it (see engine_loop.py on OpenMP pools).
+        await asyncio.to_thread(self.engine.start, build)
+        core = self.engine.core
         self._observe(self.engine, core.model_name)
-        self.engine.start()
         self.servicer.attach(self.engine, model_info(core, cfg), core.model_dir)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving (ready %.2f s after start of loading)", time.perf_counter() - t0)

@@ -1,0 +1,61 @@
+"""EngineLoop.start(build): the model is built, warmed up and stepped on one thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine_svc.config import EngineConfig
+from engine_svc.core import EngineCore
+from engine_svc.engine_loop import AddCommand, EngineLoop
+from engine_svc.request import SamplingParams
+
+
+def test_build_runs_on_the_thread_that_steps(demo_model_dir):
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    def build() -> EngineCore:
+        threads["build"].add(threading.get_ident())
+        core = EngineCore(EngineConfig(model=str(demo_model_dir), num_kv_blocks=16, block_size=16))
+        core.warmup()
+        return core
+
+    loop = EngineLoop(max_waiting=4)
+    loop.start(build)
+    try:
+        assert loop.core is not None
+        loop.on_step = lambda core, outputs: threads["step"].add(threading.get_ident())
+        done, tokens = threading.Event(), []
+
+        def sink(outs, load):
+            if outs is None:
+                done.set()
+            else:
+                tokens.extend(t for o in outs for t in o.new_token_ids)
+
+        sid = loop.open_stream(sink)
+        loop.add(sid, AddCommand("a", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+        loop.half_close(sid)
+        assert done.wait(60), "the request did not finish"
+    finally:
+        loop.stop()
+    assert len(tokens) == 5
+    assert len(threads["build"]) == 1 and threads["step"] == threads["build"]
+    assert threading.get_ident() not in threads["build"]
+
+
+def test_a_failing_build_raises_from_start_and_leaves_no_thread():
+    def build() -> EngineCore:
+        raise FileNotFoundError("no config.json in /nowhere")
+
+    loop = EngineLoop(max_waiting=4)
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        loop.start(build)
+    loop._thread.join(timeout=5)
+    assert not loop._thread.is_alive() and loop.core is None
+
+
+def test_start_needs_a_core_or_a_build_function():
+    with pytest.raises(ValueError, match="a core to the constructor or a build function"):
+        EngineLoop(max_waiting=4).start()
