@@ -225,16 +225,25 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder stack plus LM head. ``forward`` stops before the head so the caller can
-    pick the few rows that need logits (``compute_logits``)."""
+    pick the few rows that need logits (``compute_logits``).
+
+    Built without initial values (the loader builds it on the meta device, then assigns
+    the checkpoint's tensors)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # An explicit weight skips nn.Embedding's random init: on the meta device that (like
+        # any arithmetic there) runs torch's Python reference ops, which import torch._dynamo
+        # (2.5 s of start-up).
+        self.embed_tokens = nn.Embedding(
+            args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [head_dim // 2] fp32
+        # [head_dim // 2] fp32, filled by the loader with rope_inv_freq(args) on the real device.
+        self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight

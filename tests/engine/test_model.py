@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -365,3 +367,17 @@ def test_attention_metadata_layout():
     assert (cont.mask == 0).tolist() == [[True] * 5 + [False], [True] * 6]
     with pytest.raises(ValueError, match="lead"):
         AttentionMetadata.build([2, 1], [0, 0], [[0], [1]], block_size=4, device="cpu")
+
+
+def test_loading_does_not_import_torch_dynamo(demo_model_dir):
+    """Start-up: arithmetic on the meta device (random init, buffers) runs torch's Python
+    reference ops, which import torch._dynamo, seconds of start-up a server never uses."""
+    code = (
+        "import sys; from engine_svc.models import load_model; "
+        "model, _ = load_model(sys.argv[1], 'cpu', 'float32'); "
+        "assert model.embed_tokens.weight.device.type == 'cpu'; "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(demo_model_dir)], capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert result.stdout.strip() == "False"
