@@ -190,7 +190,7 @@ def saturation_rate(entries: list[dict]) -> float | None:
     return min(hits) if hits else None
 
 
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (psutil, or Linux /proc without it)."""
     try:
         import psutil
@@ -287,14 +287,14 @@ async def drive(args, target: str, frontend_pid: int | None, engine_pid: int | N
             await run_rate(stub, warm, math.inf, max_concurrency=None, seed=0, timeout=args.timeout, progress=False)
         entries = []
         for i, rate in enumerate(args.rate):
-            cpu0 = {pid: _cpu_s(pid) for pid in (frontend_pid, engine_pid) if pid}
+            cpu0 = {pid: process_cpu_s(pid) for pid in (frontend_pid, engine_pid) if pid}
             # Each rate gets its own salt, so no run is served from blocks an earlier run cached.
             results, wall = await run_rate(stub, salted(workload, i, vocab), rate,
                                            max_concurrency=args.max_concurrency, seed=args.seed, timeout=args.timeout)
             entry = summarize(results, wall, rate)
             for key, pid in (("frontend", frontend_pid), ("engine", engine_pid)):
                 if pid:
-                    cpu = _cpu_s(pid) - cpu0[pid]
+                    cpu = process_cpu_s(pid) - cpu0[pid]
                     entry[f"{key}_cpu_s"] = cpu
                     entry[f"{key}_cpu_us_per_token"] = cpu * 1e6 / max(entry["num_output_tokens"], 1)
             entries.append(entry)

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from benchmarks import offline, serve
+from benchmarks import grpc_floor, offline, serve
 from benchmarks.workloads import fit_context, fit_vocab, salted, synthetic
 
 pytestmark = pytest.mark.timeout(180)
@@ -89,6 +89,13 @@ def test_offline_engine_figures(demo_model_dir, tmp_path):
     assert {"output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"} <= figures.keys()
     assert figures["num_output_tokens"] == sum(r["max_tokens"] for r in workload)
     assert all(figures[k] > 0 for k in ("output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"))
+
+
+def test_grpc_floor_counts_every_message_and_stops_its_server():
+    figures = grpc_floor.measure(streams=3, messages=4, tick_ms=2)
+    assert set(figures) == {"paced", "back_to_back"}
+    for run in figures.values():
+        assert run["messages"] == 12 and run["wall_s"] > 0 and run["server_cpu_us_per_message"] >= 0
 
 
 def test_workload_helpers_keep_lengths():
