@@ -6,7 +6,7 @@ A bare ``grpc.aio`` server (a separate process) streams ``--messages`` small mes
 each of ``--streams`` concurrent calls, the way the frontend streams tokens: every
 ``--tick-ms`` (one engine step) each call wakes up and sends one message. A second run
 sends the same messages back to back. Printed: the server process's CPU time per message
-(user + system, read from /proc), which is the floor under the frontend's CPU per token
+(user + system), which is the floor under the frontend's CPU per token
 when it sends one message per token (``--stream-interval 1``).
 """
 
