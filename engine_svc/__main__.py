@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(config.num_threads)
-    from engine_svc.server import EngineServer
+    from engine_svc.service.server import EngineServer
 
     asyncio.run(EngineServer(config).serve_until_signal())
     return 0

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_svc.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
-from engine_svc.kv_cache import KVCacheManager
-from engine_svc.model_runner import ModelRunner
+from engine_svc.sched.kv_cache import KVCacheManager
+from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput
-from engine_svc.request import FinishReason, Logprob, Request, RequestError, SamplingParams
-from engine_svc.scheduler import Scheduler
-from engine_svc.validation import validate_request
+from engine_svc.sched.request import FinishReason, Logprob, Request, RequestError, SamplingParams
+from engine_svc.sched.scheduler import Scheduler
+from engine_svc.sched.admission import validate_request
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_svc.request import FinishReason, Logprob, Request, RequestError
+from engine_svc.sched.request import FinishReason, Logprob, Request, RequestError
 
 
 @dataclass

@@ -8,8 +8,8 @@ import pytest
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.engine_loop import AddCommand, EngineLoop
-from engine_svc.request import SamplingParams
+from engine_svc.service.engine_loop import AddCommand, EngineLoop
+from engine_svc.sched.request import SamplingParams
 
 
 def test_build_runs_on_the_thread_that_steps(demo_model_dir):

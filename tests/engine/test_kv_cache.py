@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine_svc.kv_cache import KVCacheManager, hash_block
-from engine_svc.request import Request, SamplingParams
+from engine_svc.sched.kv_cache import KVCacheManager, hash_block
+from engine_svc.sched.request import Request, SamplingParams
 
 BS = 4  # block size in these tests
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.models.packed_linear import PackedLinear, pack_linears, packing_supported
-from engine_svc.native import load_decode_attention
+from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from engine_svc.model.native import load_decode_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -83,7 +83,7 @@ def test_packed_linears_match_plain_linears():
             torch.testing.assert_close(model(x[:rows]), want[:rows], atol=1e-5, rtol=1e-5)
 
 
-_LOAD = "from engine_svc.native import load_decode_attention as k; print(k() is not None)"
+_LOAD = "from engine_svc.model.native import load_decode_attention as k; print(k() is not None)"
 
 
 def _loads(kernel_dir, cc: str | None) -> bool:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine_svc.request import Request, SamplingParams
-from engine_svc.sampler import Sampler
+from engine_svc.sched.request import Request, SamplingParams
+from engine_svc.model.sampler import Sampler
 
 VOCAB = 16
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine_svc.kv_cache import KVCacheManager
+from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, SchedulerOutput
-from engine_svc.request import ErrorCode, FinishReason, Logprob, Request, RequestStatus, SamplingParams
-from engine_svc.scheduler import Scheduler
+from engine_svc.sched.request import ErrorCode, FinishReason, Logprob, Request, RequestStatus, SamplingParams
+from engine_svc.sched.scheduler import Scheduler
 
 BS = 4  # block size in these tests
 TOKEN = 7  # what the fake runner samples

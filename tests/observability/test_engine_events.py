@@ -13,9 +13,9 @@ from opentelemetry.trace import StatusCode
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.engine_loop import AddCommand, EngineLoop
-from engine_svc.request import SamplingParams
-from engine_svc.tracing import RequestTracer
+from engine_svc.service.engine_loop import AddCommand, EngineLoop
+from engine_svc.sched.request import SamplingParams
+from engine_svc.service.tracing import RequestTracer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

@@ -13,7 +13,7 @@ from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.trace.span import NonRecordingSpan
 
 from engine_svc.config import EngineConfig
-from engine_svc.server import EngineServer
+from engine_svc.service.server import EngineServer
 from frontend_svc.config import FrontendConfig
 from frontend_svc.server import FrontendServer
 from tandem_common.tracing import ENDPOINT_VARIABLES

@@ -22,7 +22,7 @@ from tests.rpc.test_frontend_tls import make_pki, wait_serving_tls
 from tests.services import ServiceProcess, start_engine, start_frontend
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-WARNING = "WARNING engine_svc.server: the engine listens on 0.0.0.0"
+WARNING = "WARNING engine_svc.service.server: the engine listens on 0.0.0.0"
 REMEDIES = ("Use mutual TLS (--tls-cert/--tls-key/--tls-ca) or restrict the port to frontends "
             "(the Helm chart's NetworkPolicy does this).")
 
@@ -50,7 +50,7 @@ def test_engine_on_a_public_address_without_tls_warns(shared, tmp_path):
     assert f"{WARNING} without TLS: anyone who can reach this port can generate text" in log
     assert REMEDIES in log
     # Loopback is private to the host: no warning.
-    assert "listening on 127.0.0.1" in shared[0].log() and "WARNING engine_svc.server" not in shared[0].log()
+    assert "listening on 127.0.0.1" in shared[0].log() and "WARNING engine_svc.service.server" not in shared[0].log()
 
 
 @pytest.mark.parametrize("tls, warning", [
@@ -61,13 +61,13 @@ def test_engine_on_a_public_address_without_tls_warns(shared, tmp_path):
 async def test_engine_tls_variants_on_a_public_address(pki, caplog, tls, warning):
     """The same start-up checks in-process, for each TLS set-up (no model is loaded)."""
     from engine_svc.config import EngineConfig
-    from engine_svc.server import EngineServer
+    from engine_svc.service.server import EngineServer
 
     files = {"server-only": dict(tls_cert=pki / "server.pem", tls_key=pki / "server.key"),
              "mutual": dict(tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_ca=pki / "ca.pem"),
              "ca-without-certificate": dict(tls_ca=pki / "ca.pem")}[tls]
     server = EngineServer(EngineConfig(host="0.0.0.0", port=0, **{k: str(v) for k, v in files.items()}))
-    caplog.set_level("INFO", logger="engine_svc.server")
+    caplog.set_level("INFO", logger="engine_svc.service.server")
     try:
         if warning == "SystemExit":  # TLS half asked for is an error, never a plaintext fallback
             with pytest.raises(SystemExit, match="--tls-key and --tls-ca need --tls-cert"):

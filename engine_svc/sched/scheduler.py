@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from engine_svc.kv_cache import KVCacheManager
+from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine_svc.request import ErrorCode, FinishReason, Request, RequestError, RequestStatus, check_stop
+from engine_svc.sched.request import ErrorCode, FinishReason, Request, RequestError, RequestStatus, check_stop
 
 logger = logging.getLogger(__name__)
 

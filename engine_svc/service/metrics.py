@@ -10,8 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine_svc.core import EngineCore
-from engine_svc.engine_loop import EngineLoop
-from engine_svc.lifecycle import RequestListener, RequestTimeline
+from engine_svc.service.engine_loop import EngineLoop
+from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from engine_svc.outputs import EngineOutput
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.attention import AttentionMetadata, KVCache, paged_attention
+from engine_svc.model.attention import AttentionMetadata, KVCache, paged_attention
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_svc.request import Request
+from engine_svc.sched.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine_svc.core import EngineCore
-from engine_svc.lifecycle import RequestEvents, RequestListener
+from engine_svc.service.lifecycle import RequestEvents, RequestListener
 from engine_svc.outputs import EngineOutput
-from engine_svc.request import ErrorCode, FinishReason, RequestError, SamplingParams
+from engine_svc.sched.request import ErrorCode, FinishReason, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 

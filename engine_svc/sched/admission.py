@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from engine_svc.request import ErrorCode, Request, RequestError
+from engine_svc.sched.request import ErrorCode, Request, RequestError
 
 MAX_LOGPROBS = 20
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine_svc.models.llama import ModelArgs, Transformer, rope_inv_freq
+from engine_svc.model.llama import ModelArgs, Transformer, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 

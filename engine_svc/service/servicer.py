@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine_svc.engine_loop import AddCommand, EngineLoad, EngineLoop
+from engine_svc.service.engine_loop import AddCommand, EngineLoad, EngineLoop
 from engine_svc.outputs import EngineOutput
-from engine_svc.request import ErrorCode, FinishReason, Logprob, SamplingParams
+from engine_svc.sched.request import ErrorCode, FinishReason, Logprob, SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 

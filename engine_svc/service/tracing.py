@@ -16,9 +16,9 @@ from __future__ import annotations
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine_svc.lifecycle import RequestListener, RequestTimeline
+from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from engine_svc.outputs import EngineOutput
-from engine_svc.request import FinishReason
+from engine_svc.sched.request import FinishReason
 
 SPAN_NAME = "tandem.engine.request"
 

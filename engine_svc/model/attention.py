@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine_svc.native import DecodeAttentionKernel
+from engine_svc.model.native import DecodeAttentionKernel
 
 logger = logging.getLogger(__name__)
 

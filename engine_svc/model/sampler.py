@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_svc.request import Logprob, Request, SamplingParams
+from engine_svc.sched.request import Logprob, Request, SamplingParams
 
 # Below this temperature a row is sampled greedily, as vLLM does: dividing by a
 # near-zero temperature overflows float32 to inf, and inf - inf in the softmax is NaN.

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_svc.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
-from engine_svc.models import load_model, read_special_token_ids
-from engine_svc.models.loader import resolve_dtype
-from engine_svc.models.packed_linear import pack_linears, packing_supported
-from engine_svc.native import load_decode_attention
+from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
+from engine_svc.model.loader import load_model, read_special_token_ids
+from engine_svc.model.loader import resolve_dtype
+from engine_svc.model.packed_linear import pack_linears, packing_supported
+from engine_svc.model.native import load_decode_attention
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine_svc.request import Request, SamplingParams
-from engine_svc.sampler import Sampler
+from engine_svc.sched.request import Request, SamplingParams
+from engine_svc.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

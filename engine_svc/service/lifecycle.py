@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_svc.outputs import EngineOutput
-from engine_svc.request import Request
+from engine_svc.sched.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_svc.config import EngineConfig
-from engine_svc.servicer import EngineServicer
+from engine_svc.service.servicer import EngineServicer
 from tandem_common.grpc_options import server_options
 from tandem_common.tracing import setup_tracing
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -116,7 +116,7 @@ class EngineServer:
     async def load(self) -> None:
         """Load the model and warm up off the event loop, then turn SERVING."""
         from engine_svc.core import EngineCore
-        from engine_svc.engine_loop import EngineLoop
+        from engine_svc.service.engine_loop import EngineLoop
 
         cfg = self.config
         t0 = time.perf_counter()
@@ -139,13 +139,13 @@ class EngineServer:
         """Metrics and tracing, each only when turned on (otherwise nothing is attached)."""
         cfg = self.config
         if cfg.metrics_port:
-            from engine_svc.metrics import EngineMetrics
+            from engine_svc.service.metrics import EngineMetrics
 
             EngineMetrics(cfg.metrics_port).attach(engine)
             logger.info("metrics on :%d/metrics", cfg.metrics_port)
         self.tracer_provider = setup_tracing("tandem-engine", cfg.otlp_endpoint)
         if self.tracer_provider is not None:
-            from engine_svc.tracing import RequestTracer
+            from engine_svc.service.tracing import RequestTracer
 
             engine.add_listener(RequestTracer(self.tracer_provider.get_tracer("engine_svc"), model_name))
 
