@@ -1,0 +1,105 @@
+"""Sampling parameters, their defaults and their limits: one table for both services.
+
+The frontend checks a public request against these limits before it reaches an engine;
+the engine checks again with the same function, because any client of the engine
+protocol can reach it. Names follow vLLM so readers can cross-reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_TOKENS = 16  # when a request does not say (the frontend also caps it to the context left)
+MAX_LOGPROBS = 20  # top alternatives per token, for logprobs and prompt_logprobs
+
+
+@dataclass
+class SamplingParams:
+    """Token-level sampling controls.
+
+    Defaults are the neutral values: temperature 1.0, top_p 1.0, top_k 0 (= off),
+    min_p 0.0, penalties 0.0 / 1.0 (off). ``temperature == 0`` means greedy.
+    """
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k alternatives to return besides the chosen token
+    prompt_logprobs: int | None = None  # same, for every prompt position
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed interval, or half-open at the low end (``lo_open``); NaN and inf never fit."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        return math.isfinite(x) and (self.lo < x if self.lo_open else self.lo <= x) and x <= self.hi
+
+    def __str__(self) -> str:
+        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+# Float parameters and the values they accept.
+RANGES: dict[str, Range] = {
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "min_p": Range(0.0, 1.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 2.0, lo_open=True),
+}
+LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """What is wrong with one field of ``SamplingParams``: ``name`` is the field's name,
+    ``message`` says what to fix without repeating the name (each service adds it)."""
+
+    name: str
+    message: str
+
+
+def check_sampling_params(p: SamplingParams, vocab_size: int) -> FieldError | None:
+    """The first limit ``p`` breaks, or None."""
+    checks: list[tuple[bool, str, str]] = [
+        (p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}"),
+        (p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}"),
+        (p.min_tokens <= p.max_tokens, "min_tokens",
+         f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"),
+        (p.top_k >= -1, "top_k", f"must be -1, 0 (all tokens) or positive, got {p.top_k}"),
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
+         f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
+        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+         f"must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
+    ]
+    for name, allowed in RANGES.items():
+        value = getattr(p, name)
+        checks.append((value in allowed, name, f"must be in {allowed}, got {value}"))
+    for ok, name, message in checks:
+        if not ok:
+            return FieldError(name, message)
+    for t in p.stop_token_ids:
+        if not 0 <= t < vocab_size:
+            return FieldError("stop_token_ids", f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+    for t, bias in p.logit_bias.items():
+        if not 0 <= t < vocab_size:
+            return FieldError("logit_bias", f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
+        if bias not in LOGIT_BIAS_RANGE:
+            return FieldError("logit_bias", f"logit_bias[{t}] must be in {LOGIT_BIAS_RANGE}, got {bias}")
+    return None
