@@ -45,7 +45,7 @@ def engine_args(args) -> list[str]:
 def run_engine(args, workload: list[dict]) -> dict:
     from engine_svc.config import EngineConfig, build_parser
     from engine_svc.core import EngineCore
-    from engine_svc.sched.request import SamplingParams
+    from engine_svc.types import SamplingParams
 
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig.from_args(build_parser().parse_args(engine_args(args))))

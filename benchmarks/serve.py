@@ -231,7 +231,7 @@ def run_inprocess(args, workload: list[dict], vocab_size: int) -> dict:
     """The same workload through EngineCore.generate in this process, all at once."""
     from engine_svc.config import EngineConfig, build_parser
     from engine_svc.core import EngineCore
-    from engine_svc.sched.request import SamplingParams
+    from engine_svc.types import SamplingParams
 
     t0 = time.perf_counter()
     argv = (["--model", str(args.model)] if args.model else []) + _engine_flags(args)

@@ -26,6 +26,7 @@ class EngineConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: float = 30.0
     metrics_port: int = 0
+    ready_file: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
     otlp_endpoint: str | None = None
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--host", default=d.host, help="address to listen on")
     n.add_argument("--port", type=int, default=d.port, help="gRPC port (0 picks a free one)")
     n.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
+    n.add_argument("--ready-file", default=None, metavar="PATH",
+                   help="write the port and state (listening, then serving) here as JSON; removed on exit. "
+                   "For tools that start the engine, e.g. with --port 0 (see tandem_common/ready.py)")
     n.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds running requests may take to finish after SIGTERM")
     n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")

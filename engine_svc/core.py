@@ -2,9 +2,10 @@
 
     add_request() / abort() between steps, then step():
         scheduler.schedule() -> model_runner.execute() -> scheduler.update_from_output()
+    make_stats() after each turn: the snapshot other threads read
 
-The gRPC servicer drives it from its own thread; benchmarks and tests drive it directly
-(``generate()`` runs a list of requests to completion).
+The gRPC service drives it from its own thread (``service/engine_loop.py``); benchmarks
+and tests drive it directly (``generate()`` runs a list of requests to completion).
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_svc.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
-from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.model.runner import ModelRunner
-from engine_svc.outputs import EngineOutput, ModelRunnerOutput
-from engine_svc.sched.request import FinishReason, Logprob, Request, RequestError, SamplingParams
+from engine_svc.outputs import EngineOutput, EngineStats, StepStats
+from engine_svc.sched.admission import AdmissionLimits, check_admission
+from engine_svc.sched.kv_cache import KVCacheManager
+from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler
-from engine_svc.sched.admission import validate_request
+from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +82,10 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
         )
+        self.limits = AdmissionLimits(self.vocab_size, self.max_model_len, config.max_waiting)
+        self.draining = False  # refuse new requests (UNAVAILABLE); running ones go on
+        self._last_step: StepStats | None = None
         self.num_steps = 0
-        self.last_step_s = 0.0
-        self.last_batch_tokens = 0
         self.startup_s = time.perf_counter() - start
         logger.info(
             "engine ready: model %s on %s (%s), KV cache %d blocks x %d tokens = %d tokens "
@@ -97,8 +101,12 @@ class EngineCore:
         return Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, **kw)
 
     def add_request(self, request: Request) -> EngineOutput | None:
-        """Queue ``request``; if it is invalid, finish it at once and return its error output."""
-        error = validate_request(request, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        """Admit ``request`` (``sched/admission.py``) and queue it; if it may not enter,
+        finish it at once and return its error output."""
+        error = check_admission(
+            request, self.limits, num_waiting=self.scheduler.num_waiting, draining=self.draining,
+            pool_error=self.kv_cache.pool_error(request.num_tokens),
+        )
         if error is not None:
             return self.refuse(request, error)
         self.scheduler.add_request(request)
@@ -106,14 +114,15 @@ class EngineCore:
 
     @staticmethod
     def refuse(request: Request, error: RequestError) -> EngineOutput:
+        """Finish a request that never entered the scheduler with ``error``."""
         request.finish(FinishReason.ERROR, error=error)
-        return EngineOutput(
-            request.request_id, finish_reason=FinishReason.ERROR, error=error,
-            num_prompt_tokens=request.num_prompt_tokens,
-        )
+        return request_output(request)
 
-    def abort(self, request_ids) -> list[EngineOutput]:
+    def abort(self, request_ids: Iterable[str]) -> list[EngineOutput]:
         return self.scheduler.abort_requests(request_ids)
+
+    def fail(self, request_ids: Iterable[str], error: RequestError) -> list[EngineOutput]:
+        return self.scheduler.fail_requests(request_ids, error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -123,16 +132,29 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            # Nothing to compute; the runner still drops state of requests that ended.
-            self.runner.sampler.forget(scheduler_output.finished_request_ids)
-            return self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
+        # Also when nothing is scheduled: the runner drops the state of requests that ended.
         runner_output = self.runner.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.num_steps += 1
-        self.last_step_s = time.perf_counter() - t0
-        self.last_batch_tokens = scheduler_output.num_tokens
+        if not scheduler_output.is_empty:
+            self.num_steps += 1
+            self._last_step = StepStats(time.perf_counter() - t0, scheduler_output.num_tokens)
         return outputs
+
+    def make_stats(self) -> EngineStats:
+        """A snapshot of the engine now; the figures of the step run since the last call, if any."""
+        sched, kv = self.scheduler, self.kv_cache
+        step, self._last_step = self._last_step, None
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_used_blocks=kv.num_used_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            num_preemptions=sched.num_preemptions,
+            num_unfinished=len(sched.requests),
+            draining=self.draining,
+            step=step,
+        )
 
     def warmup(self) -> None:
         self.runner.warmup()

@@ -2,6 +2,7 @@
 
     scheduler.schedule() -> SchedulerOutput -> model_runner.execute() -> ModelRunnerOutput
     -> scheduler.update_from_output() -> list[EngineOutput] (what the servicer streams)
+    EngineCore.make_stats() -> EngineStats (one snapshot per loop turn, for other threads)
 
 No torch here: the scheduler and the servicer import this module.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_svc.sched.request import FinishReason, Logprob, Request, RequestError
+from engine_svc.types import FinishReason, Logprob, RequestError, RequestView
 
 
 @dataclass
@@ -23,7 +24,7 @@ class ScheduledRequest:
     table, already long enough for ``start + num_new_tokens`` tokens.
     """
 
-    request: Request
+    request: RequestView
     num_new_tokens: int
     block_ids: list[int]
 
@@ -39,11 +40,8 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """Everything the model runner needs for one step, in batch order.
-
-    Decodes come first, then prefill chunks; the runner keeps that order in its
-    flattened token batch.
-    """
+    """Everything the model runner needs for one step, in no particular order: the
+    runner alone decides the batch order (outputs are keyed by request id)."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests preempted or finished since the last step: the runner drops per-request
@@ -86,3 +84,31 @@ class EngineOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The figures of one engine step."""
+
+    duration_s: float
+    num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state after one turn of its loop, as other threads may read it.
+
+    The engine thread builds a new one after every turn (commands applied, a step run or
+    not) and replaces the old one in a single assignment; readers (GetLoad, the stream's
+    load figures, metrics) never touch the live scheduler or KV manager.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0  # since start
+    num_unfinished: int = 0  # requests the engine still owes a final output
+    draining: bool = False
+    step: StepStats | None = None  # None when the turn ran no step

@@ -170,25 +170,26 @@ class AttentionMetadata:
                     break
                 group_blocks, j = nb, j + 1
             ctx = torch.tensor(seq_lens[i:j], dtype=torch.long)
-            mask = _additive(torch.arange(group_blocks * block_size)[None, :] < ctx[:, None], dtype)
+            group_mask = _additive(torch.arange(group_blocks * block_size)[None, :] < ctx[:, None], dtype)
             meta.decode_groups.append(
                 DecodeGroup(
                     row_start=i,
                     num_rows=j - i,
                     num_blocks=group_blocks,
                     block_ids=table[i:j, :group_blocks].reshape(-1).to(device),
-                    mask=mask.view(j - i, 1, 1, -1).to(device),
+                    mask=group_mask.view(j - i, 1, 1, -1).to(device),
                 )
             )
             i = j
         row = num_decodes
         for r in range(num_decodes, num_reqs):
             n, s = query_lens[r], starts[r]
-            block_ids = mask = None
+            block_ids: torch.Tensor | None = None
+            chunk_mask: torch.Tensor | None = None
             if s > 0:
                 block_ids = table[r, : blocks_needed[r]].to(device)
-                mask = _additive(torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None], dtype).to(device)
-            meta.prefills.append(PrefillChunk(row, n, s, block_ids, mask))
+                chunk_mask = _additive(torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None], dtype).to(device)
+            meta.prefills.append(PrefillChunk(row, n, s, block_ids, chunk_mask))
             row += n
         return meta
 
@@ -253,6 +254,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
 
     if meta.decode_kernel is not None:
+        assert meta.decode_block_table is not None and meta.decode_ctx_lens is not None
         n = meta.num_decodes
         meta.decode_kernel(
             out[:n], q[:n].contiguous(), kv_cache[0], kv_cache[1],
@@ -274,6 +276,7 @@ def paged_attention(
         if c.start == 0:
             k_c, v_c = k[rows], v[rows]  # [query_len, kv_heads, hd]
         else:
+            assert c.block_ids is not None
             k_c, v_c = _gather(kv_cache, c.block_ids, meta.workspace)
             seq_len = c.start + c.query_len
             k_c = k_c.view(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, kv_heads, hd]

@@ -230,6 +230,8 @@ class Transformer(nn.Module):
     Built without initial values (the loader builds it on the meta device, then assigns
     the checkpoint's tensors)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args

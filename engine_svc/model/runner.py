@@ -13,7 +13,8 @@ The runner never imports the scheduler.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +24,7 @@ from engine_svc.model.loader import resolve_dtype
 from engine_svc.model.packed_linear import pack_linears, packing_supported
 from engine_svc.model.native import load_decode_attention
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine_svc.sched.request import Request, SamplingParams
+from engine_svc.types import RequestView, SamplingParams
 from engine_svc.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,9 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return output
-        # Decodes sorted by context length: neighbours in a decode group pad little.
-        # Output is keyed by request id, so the batch order is ours to choose.
+        # The batch order is the runner's alone (outputs are keyed by request id): decodes
+        # first, sorted by context length so that neighbours in a decode group pad little,
+        # then prefill chunks.
         decodes = sorted((s for s in scheduler_output.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
         chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
         batch = decodes + chunks
@@ -182,16 +184,41 @@ class ModelRunner:
             logger.warning("KV cache too small for a warmup step; skipped")
             return
         token = self.bos_token_id if self.bos_token_id is not None and self.bos_token_id < self.vocab_size else 0
-        params = SamplingParams(temperature=0.0, max_tokens=1)
-        prefill = Request("warmup-prefill", [token] * n, params)
+        prefill = _WarmupRequest("warmup-prefill", [token] * n)
         scheduled = [ScheduledRequest(prefill, n, list(range(k)))]
         if self.num_kv_blocks >= 2 * k:
-            decode = Request("warmup-decode", [token] * n, params)
-            decode.num_computed_tokens = n - 1
+            decode = _WarmupRequest("warmup-decode", [token] * n, num_computed_tokens=n - 1)
             scheduled.insert(0, ScheduledRequest(decode, 1, list(range(k, 2 * k))))
         self.execute(SchedulerOutput(scheduled=scheduled))
         self.sampler.forget([s.request.request_id for s in scheduled])
         logger.info("warmup step done")
+
+
+@dataclass
+class _WarmupRequest:
+    """A greedy dummy request for the warm-up step (a ``RequestView``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    sampling_params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0, max_tokens=1))
+    output_token_ids: Sequence[int] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    num_prompt_logprobs_done: int = 0
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        return self.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    num_prompt_tokens = num_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return 0
 
 
 @dataclass
@@ -202,14 +229,14 @@ class _PromptLogprobJob:
     num_top: int
 
 
-def _logits_rows(batch: list[ScheduledRequest]) -> tuple[list[int], list[Request], list[_PromptLogprobJob]]:
+def _logits_rows(batch: list[ScheduledRequest]) -> tuple[list[int], list[RequestView], list[_PromptLogprobJob]]:
     """Rows of the flattened batch that need logits: (sample rows, their requests, prompt-logprob jobs).
 
     Prompt tokens up to ``num_prompt_logprobs_done`` were reported already (e.g. before a
     preemption), so only later ones get entries.
     """
     sample_rows: list[int] = []
-    sample_requests: list[Request] = []
+    sample_requests: list[RequestView] = []
     jobs: list[_PromptLogprobJob] = []
     row = 0
     for s in batch:
@@ -223,6 +250,7 @@ def _logits_rows(batch: list[ScheduledRequest]) -> tuple[list[int], list[Request
             hi = min(start + n, request.num_prompt_tokens - 1)
             if lo < hi:
                 rows = list(range(row + lo - start, row + hi - start))
-                jobs.append(_PromptLogprobJob(request.request_id, rows, request.prompt_token_ids[lo + 1 : hi + 1], num_top))
+                targets = list(request.prompt_token_ids[lo + 1 : hi + 1])
+                jobs.append(_PromptLogprobJob(request.request_id, rows, targets, num_top))
         row += n
     return sample_rows, sample_requests, jobs

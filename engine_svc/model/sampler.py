@@ -22,14 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_svc.sched.request import Logprob, Request, SamplingParams
+from engine_svc.types import Logprob, RequestView, SamplingParams
 
 # Below this temperature a row is sampled greedily, as vLLM does: dividing by a
 # near-zero temperature overflows float32 to inf, and inf - inf in the softmax is NaN.
 _SAMPLING_EPS = 1e-5
-# Log-softmax over many prompt positions at once is [rows, vocab] float32; chunking
-# bounds that to ~0.6 GB at a 150k vocab.
-_PROMPT_LOGPROB_CHUNK = 1024
 _MASK64 = (1 << 64) - 1
 
 
@@ -52,7 +49,7 @@ class Sampler:
     # ------------------------------------------------------------------ public API
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: list[RequestView]) -> SamplerOutput:
         """``logits`` [num_rows, >= vocab]: one row per request, in the order of ``requests``."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
@@ -76,13 +73,10 @@ class Sampler:
 
     @torch.inference_mode()
     def prompt_logprobs(self, logits: torch.Tensor, target_token_ids: list[int], num_top: int) -> list[Logprob]:
-        """``logits`` [n, >= vocab]: row j predicts ``target_token_ids[j]``."""
-        out: list[Logprob] = []
-        for start in range(0, len(target_token_ids), _PROMPT_LOGPROB_CHUNK):
-            end = min(start + _PROMPT_LOGPROB_CHUNK, len(target_token_ids))
-            targets = self._tensor(target_token_ids[start:end])  # [chunk]
-            out += self._logprob_entries(logits[start:end, : self.vocab_size], targets, num_top)
-        return out
+        """``logits`` [n, >= vocab]: row j predicts ``target_token_ids[j]``. The caller bounds
+        n (the runner computes prompt logits in chunks of ``PROMPT_LOGITS_CHUNK`` rows)."""
+        targets = self._tensor(target_token_ids)  # [n]
+        return self._logprob_entries(logits[:, : self.vocab_size], targets, num_top)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop state held for these requests; due for every finished or preempted one."""
@@ -93,7 +87,7 @@ class Sampler:
     # ------------------------------------------------------------ logits processing
 
     @torch.inference_mode()
-    def _process_logits(self, raw: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _process_logits(self, raw: torch.Tensor, requests: Sequence[RequestView]) -> torch.Tensor:
         """Bias, min_tokens and penalties; returns ``raw`` itself when no row uses any.
 
         ``raw`` is never written: logprobs are reported from it.
@@ -113,7 +107,7 @@ class Sampler:
             self._apply_penalties(x, requests, penalised)
         return x
 
-    def _logit_bias_entries(self, requests: Sequence[Request]):
+    def _logit_bias_entries(self, requests: Sequence[RequestView]):
         rows, cols, values = [], [], []
         for i, r in enumerate(requests):
             for token_id, bias in r.sampling_params.logit_bias.items():
@@ -125,7 +119,7 @@ class Sampler:
             return None
         return self._tensor(rows), self._tensor(cols), self._tensor(values, torch.float32)
 
-    def _min_tokens_entries(self, requests: Sequence[Request]):
+    def _min_tokens_entries(self, requests: Sequence[RequestView]):
         """(rows, cols) of EOS and stop tokens that may not be sampled yet.
 
         EOS is left alone under ignore_eos (as in vLLM): it would not stop the request then.
@@ -146,7 +140,7 @@ class Sampler:
             return None
         return self._tensor(rows), self._tensor(cols)
 
-    def _apply_penalties(self, x: torch.Tensor, requests: Sequence[Request], penalised: list[int]) -> None:
+    def _apply_penalties(self, x: torch.Tensor, requests: Sequence[RequestView], penalised: list[int]) -> None:
         """Repetition (HF: prompt + output tokens), presence and frequency (OpenAI: output only)."""
         reqs = [requests[i] for i in penalised]
         params = [r.sampling_params for r in reqs]
@@ -166,7 +160,7 @@ class Sampler:
 
     # --------------------------------------------------------------------- sampling
 
-    def _sample_rows(self, x: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample_rows(self, x: torch.Tensor, requests: Sequence[RequestView]) -> torch.Tensor:
         """``x`` [S, vocab] processed logits of the non-greedy rows -> token ids [S]."""
         params = [r.sampling_params for r in requests]
         vocab = x.shape[-1]
@@ -203,7 +197,7 @@ class Sampler:
         threshold = _truncation_threshold(best, self._tensor(top_k), self._tensor(top_p, torch.float32), vocab)
         return x.masked_fill_(x < threshold, float("-inf"))
 
-    def _exponential_noise(self, requests: Sequence[Request], shape: torch.Size) -> torch.Tensor:
+    def _exponential_noise(self, requests: Sequence[RequestView], shape: torch.Size) -> torch.Tensor:
         """Exp(1) draws [S, vocab] as -log(u), u ~ U[0, 1): several times faster than
         ``exponential_`` on CPU. u = 0 gives q = inf, which only rules that token out
         (p / inf = 0); u < 1 keeps q > 0, so p / q is never 0 / 0 = NaN."""
@@ -216,7 +210,7 @@ class Sampler:
             u[i].uniform_(generator=self._seeded_generator(r))
         return u.log_().neg_()
 
-    def _seeded_generator(self, request: Request) -> torch.Generator:
+    def _seeded_generator(self, request: RequestView) -> torch.Generator:
         """The request's generator, positioned for its next output token.
 
         It is re-seeded from (seed, number of output tokens) rather than left running, so
@@ -227,19 +221,21 @@ class Sampler:
         if generator is None:
             generator = torch.Generator(device=self.device)
             self._seeded_generators[request.request_id] = generator
-        generator.manual_seed(_step_seed(request.sampling_params.seed, request.num_output_tokens))
+        seed = request.sampling_params.seed
+        assert seed is not None, "only seeded rows have their own generator"
+        generator.manual_seed(_step_seed(seed, request.num_output_tokens))
         return generator
 
     # --------------------------------------------------------------------- logprobs
 
     def _sampled_logprobs(
-        self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+        self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[RequestView]
     ) -> list[Logprob | None]:
         out: list[Logprob | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if not rows:
             return out
-        nums = [requests[i].sampling_params.logprobs for i in rows]
+        nums = [requests[i].sampling_params.logprobs or 0 for i in rows]
         index = self._tensor(rows)
         entries = self._logprob_entries(raw[index], token_ids[index], max(nums))
         for i, num, entry in zip(rows, nums, entries):
@@ -286,14 +282,18 @@ class _TokenCounts:
         self.device = device
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)  # [capacity, vocab]
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)  # [capacity, vocab]
-        # request_id -> [slot, number of output tokens already counted, owning Request]
+        # request_id -> [slot, number of output tokens already counted, owning RequestView]
         self._slots: dict[str, list] = {}
         self._free_slots: list[int] = []
 
-    def gather(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, requests: Sequence[RequestView]) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring each request's row up to date; returns ([R, vocab] bool, [R, vocab] float32)."""
-        slots, fresh = [], []
-        prompt_rows, prompt_cols, out_rows, out_cols = [], [], [], []
+        slots: list[int] = []
+        fresh: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_cols: list[int] = []
+        out_rows: list[int] = []
+        out_cols: list[int] = []
         for r in requests:
             entry = self._slots.get(r.request_id)
             if entry is None or entry[2] is not r:  # new, or the id now names another request
@@ -311,18 +311,18 @@ class _TokenCounts:
             slots.append(entry[0])
 
         if fresh:  # a reused slot still holds its previous owner's statistics
-            index = _to_device(fresh, torch.long, self.device)
-            self.prompt_mask[index] = False
-            self.output_counts[index] = 0.0
+            fresh_rows = _to_device(fresh, torch.long, self.device)
+            self.prompt_mask[fresh_rows] = False
+            self.output_counts[fresh_rows] = 0.0
         if prompt_rows:
-            index = (_to_device(prompt_rows, torch.long, self.device), _to_device(prompt_cols, torch.long, self.device))
-            self.prompt_mask[index] = True
+            cells = (_to_device(prompt_rows, torch.long, self.device), _to_device(prompt_cols, torch.long, self.device))
+            self.prompt_mask[cells] = True
         if out_rows:
-            index = (_to_device(out_rows, torch.long, self.device), _to_device(out_cols, torch.long, self.device))
+            cells = (_to_device(out_rows, torch.long, self.device), _to_device(out_cols, torch.long, self.device))
             ones = torch.ones(len(out_rows), dtype=torch.float32, device=self.device)
-            self.output_counts.index_put_(index, ones, accumulate=True)
-        index = _to_device(slots, torch.long, self.device)
-        return self.prompt_mask[index], self.output_counts[index]
+            self.output_counts.index_put_(cells, ones, accumulate=True)
+        rows = _to_device(slots, torch.long, self.device)
+        return self.prompt_mask[rows], self.output_counts[rows]
 
     def forget(self, request_id: str) -> None:
         entry = self._slots.pop(request_id, None)

@@ -1,14 +1,17 @@
-"""Engine-side request state: sampling parameters, lifecycle and why a request ended.
+"""The scheduler's mutable request: lifecycle, token counters, and the stop rules.
 
-These are plain dataclasses: the servicer converts protobuf into them at the boundary,
-and nothing past that boundary knows protobuf exists. No torch here.
+Only the scheduler side changes a ``Request``; the model side reads it through
+``engine_svc.types.RequestView``. No torch here.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+
+from engine_svc.outputs import EngineOutput
+from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -18,70 +21,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     PREEMPTED = "preempted"  # blocks were taken back; waits to be recomputed
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    """Why a request ended."""
-
-    STOP = "stop"  # EOS or one of stop_token_ids (see Request.stop_token_id)
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"  # aborted by the client or because its stream ended
-    ERROR = "error"  # refused (invalid input, queue full, draining); see Request.error
-
-
-class ErrorCode(enum.Enum):
-    """In-band error classes; they map one to one onto gRPC status codes."""
-
-    INVALID_ARGUMENT = "invalid_argument"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
-    UNAVAILABLE = "unavailable"
-    INTERNAL = "internal"
-
-
-@dataclass(frozen=True)
-class RequestError:
-    code: ErrorCode
-    message: str
-    field: str = ""  # the offending field, e.g. "sampling_params.top_p"
-
-
-@dataclass
-class SamplingParams:
-    """Token-level sampling controls; names follow vLLM so readers can cross-reference.
-
-    Defaults are the neutral values: temperature 1.0, top_p 1.0, top_k 0 (= off),
-    min_p 0.0, penalties 0.0 / 1.0 (off). ``temperature == 0`` means greedy.
-    """
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: all tokens
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-k alternatives to return besides the chosen token
-    prompt_logprobs: int | None = None  # same, for every prompt position
-    logit_bias: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class Logprob:
-    """The chosen token's log-probability, its rank, and the top alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
 
 
 class Request:
@@ -103,8 +42,11 @@ class Request:
         arrival_time: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
         trace_context: dict[str, str] | None = None,
+        client_request_id: str | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # unique in the engine
+        # The id its client gave it (unique per stream only); logs and traces show it.
+        self.client_request_id = request_id if client_request_id is None else client_request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
@@ -120,6 +62,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)  # checked every step
         self.error: RequestError | None = None
         # Prompt logprobs are produced chunk by chunk and sent once; a request that is
         # recomputed after preemption does not produce them again.
@@ -170,7 +113,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         return False
     last = request.output_token_ids[-1]
     if num_out >= params.min_tokens:
-        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+        if (not params.ignore_eos and last in request.eos_token_ids) or last in request.stop_token_ids:
             request.stop_token_id = last
             request.finish(FinishReason.STOP)
             return True
@@ -178,3 +121,25 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.finish(FinishReason.LENGTH)
         return True
     return False
+
+
+def request_output(
+    request: Request,
+    new_token_ids: Sequence[int] = (),
+    logprobs: Sequence[Logprob] = (),
+    prompt_logprobs: Sequence[Logprob] = (),
+) -> EngineOutput:
+    """The output that tells a request's client what it produced this step; once the
+    request is finished, also why it ended (and its error, if refused or failed)."""
+    finished = request.is_finished
+    return EngineOutput(
+        request.request_id,
+        new_token_ids=list(new_token_ids),
+        logprobs=list(logprobs),
+        prompt_logprobs=list(prompt_logprobs),
+        finish_reason=request.finish_reason if finished else None,
+        stop_token_id=request.stop_token_id if finished else None,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=max(0, request.num_cached_tokens),
+        error=request.error,
+    )

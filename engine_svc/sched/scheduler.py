@@ -21,9 +21,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine_svc.sched.request import ErrorCode, FinishReason, Request, RequestError, RequestStatus, check_stop
+from engine_svc.sched.kv_cache import KVCacheManager
+from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
+from engine_svc.types import ErrorCode, FinishReason, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,10 @@ class PriorityRequestQueue:
         return (request.priority, request.arrival_time)
 
 
-POLICIES = {"fcfs": FCFSRequestQueue, "priority": PriorityRequestQueue}
+POLICIES: dict[str, type[FCFSRequestQueue] | type[PriorityRequestQueue]] = {
+    "fcfs": FCFSRequestQueue,
+    "priority": PriorityRequestQueue,
+}
 
 
 class SchedulerObserver(Protocol):
@@ -136,7 +140,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy
         self.waiting: FCFSRequestQueue | PriorityRequestQueue = POLICIES[policy]()
         self.running: list[Request] = []  # in admission order; all hold KV blocks
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -151,13 +154,11 @@ class Scheduler:
     # -- requests in and out ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request. Duplicate ids are a caller bug, not a client error."""
+        """Queue an admitted request (``engine_svc.sched.admission``). Duplicate ids are a
+        caller bug, not a client error."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
-        if (message := self._too_big_for_pool(request)) is not None:
-            self._refuse(request, message)
-            return
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
@@ -168,16 +169,20 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._remove(request)
             self._finish(request, FinishReason.ABORT)
-            outputs.append(self._output(request))
+            outputs.append(request_output(request))
         return outputs
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
+    def fail_requests(self, request_ids: Iterable[str], error: RequestError) -> list[EngineOutput]:
+        """Finish these requests with an in-band error (an engine fault, a shutdown cut)."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._remove(request)
+                outputs.append(self._finish_with_error(request, error))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._pending_outputs)
@@ -197,10 +202,8 @@ class Scheduler:
         running_rows, budget, preempted = self._schedule_running(budget)
         # After a preemption the pool is tight: admitting more would only thrash.
         new_rows = [] if preempted else self._schedule_waiting(budget)
-        # Single-token rows (decodes) first, then multi-token chunks, as the runner expects.
-        rows = sorted(running_rows + new_rows, key=lambda s: s.num_new_tokens != 1)
         finished_ids, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled=rows, finished_request_ids=finished_ids)
+        return SchedulerOutput(scheduled=running_rows + new_rows, finished_request_ids=finished_ids)
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int, bool]:
         """Give running requests their next tokens in admission order, preempting by
@@ -265,8 +268,8 @@ class Scheduler:
     ) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         for s in scheduler_output.scheduled:
-            request = s.request
-            if request.is_finished:  # aborted after schedule(): drop what the runner made
+            request = self.requests.get(s.request.request_id)
+            if request is None:  # aborted after schedule(): drop what the runner made
                 continue
             request_id = request.request_id
             needs_sample = s.needs_sample  # read before num_computed_tokens moves
@@ -279,8 +282,8 @@ class Scheduler:
                 if token_id is None:
                     # Without a token the request could never be scheduled again.
                     logger.error("model runner returned no token for %s", request_id)
-                    message = "the model runner produced no token"
-                    outputs.append(self._finish_with_error(request, ErrorCode.INTERNAL, message))
+                    error = RequestError(ErrorCode.INTERNAL, "the model runner produced no token")
+                    outputs.append(self._finish_with_error(request, error))
                     continue
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
@@ -289,9 +292,9 @@ class Scheduler:
                 check_stop(request, self.max_model_len)
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
-                self._finish(request, request.finish_reason)
+                self._release(request)
             if new_token_ids or prompt_logprobs or request.is_finished:
-                outputs.append(self._output(request, new_token_ids, logprobs, prompt_logprobs))
+                outputs.append(request_output(request, new_token_ids, logprobs, prompt_logprobs))
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
@@ -312,49 +315,37 @@ class Scheduler:
         logger.debug("preempted %s (recompute later); %d preemptions so far", request, self.num_preemptions)
 
     def _too_big_for_pool(self, request: Request) -> str | None:
-        """Why ``request`` can never run, or None. A request must hold the blocks of all
-        its tokens at once to produce its next token; if the whole pool is smaller, it is
-        refused rather than preempting everyone else for nothing."""
-        kv = self.kv_cache_manager
-        num_needed = -(-request.num_tokens // kv.block_size)
-        if num_needed <= kv.num_blocks:
-            return None
-        return (
-            f"the request needs {num_needed} KV blocks for {request.num_tokens} tokens "
-            f"(block size {kv.block_size}) but the whole KV cache has {kv.num_blocks} blocks"
-        )
+        """Why ``request`` can never run, or None: it outgrew the pool while it ran or waited."""
+        return self.kv_cache_manager.pool_error(request.num_tokens)
 
     def _refuse(self, request: Request, message: str) -> None:
         """Finish a request that can never run; its output goes out with the next update."""
-        self._pending_outputs.append(self._finish_with_error(request, ErrorCode.RESOURCE_EXHAUSTED, message))
+        error = RequestError(ErrorCode.RESOURCE_EXHAUSTED, message)
+        self._pending_outputs.append(self._finish_with_error(request, error))
 
-    def _finish_with_error(self, request: Request, code: ErrorCode, message: str) -> EngineOutput:
+    def _finish_with_error(self, request: Request, error: RequestError) -> EngineOutput:
         """Finish ``request`` with an in-band error; the caller takes it out of the queues."""
-        logger.warning("request %s failed: %s", request.request_id, message)
-        request.finish(FinishReason.ERROR, error=RequestError(code, message))
+        logger.warning("request %s failed: %s", request.request_id, error.message)
+        request.finish(FinishReason.ERROR, error=error)
         self._finish(request, FinishReason.ERROR)
-        return self._output(request)
+        return request_output(request)
+
+    def _remove(self, request: Request) -> None:
+        """Take an unfinished request out of ``running`` or ``waiting``."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        """Release everything a finished request holds. The caller removes it from
-        ``running``/``waiting``."""
+        """Finish ``request`` (unless it is already) and release what it holds. The caller
+        removes it from ``running``/``waiting``."""
         if not request.is_finished:
             request.finish(reason)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """Free a finished request's blocks and forget it."""
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
-
-    @staticmethod
-    def _output(request: Request, new_token_ids=(), logprobs=(), prompt_logprobs=()) -> EngineOutput:
-        finished = request.is_finished
-        return EngineOutput(
-            request.request_id,
-            new_token_ids=list(new_token_ids),
-            logprobs=list(logprobs),
-            prompt_logprobs=list(prompt_logprobs),
-            finish_reason=request.finish_reason if finished else None,
-            stop_token_id=request.stop_token_id if finished else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(0, request.num_cached_tokens),
-            error=request.error,
-        )

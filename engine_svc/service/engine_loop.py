@@ -1,12 +1,17 @@
 """Runs EngineCore on its own thread, apart from the gRPC event loop.
 
-Streams talk to it through a command queue (add / abort / close); it hands each
-stream's outputs back through the stream's ``sink`` callback, once per step. A sink
-must not block: the servicer's sink only schedules a put on its asyncio queue, so a
-slow or stalled reader on one stream never stalls the engine or the other streams.
+    any thread ── commands (OpenStream, Add, Abort, ...) ──▶ engine thread
+                                                             apply commands, step once,
+    stream sinks ◀── (outputs, EngineStats) per turn ──────  publish an EngineStats snapshot
 
-Request ids are unique per stream, not per engine: inside the engine a request is
-keyed by ``"<stream>/<request_id>"``.
+Streams talk to it through a queue of small frozen commands; it hands each stream's
+outputs back through the stream's ``sink`` callback, once per turn. A sink must not
+block: the servicer's sink only schedules a put on its asyncio queue, so a slow or
+stalled reader on one stream never stalls the engine or the other streams. Other threads
+read the engine's state only from ``stats``, the snapshot published after every turn.
+
+Request ids are unique per stream, not per engine: inside the engine a request gets an
+engine-wide id, and ``_owners`` maps it back to (stream, client request id).
 
 All of the engine's torch work should run on that one thread, building the model
 included (``start(build)``). On CPU, libgomp (torch's OpenMP runtime) keeps a pool of
@@ -18,45 +23,33 @@ another measured 15-20% lower throughput with a quarter of the CPU time idle.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine_svc.core import EngineCore
+from engine_svc.outputs import EngineOutput, EngineStats
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
-from engine_svc.outputs import EngineOutput
-from engine_svc.sched.request import ErrorCode, FinishReason, RequestError, SamplingParams
+from engine_svc.types import ErrorCode, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# A sink receives (outputs, stats) per turn, or (None, stats) once the stream is done:
+# it was half-closed by its client and its last request finished.
+Sink = Callable[[list[EngineOutput] | None, EngineStats], None]
+
+
+# -- commands: what other threads ask of the engine thread ----------------------------
+
 
 @dataclass(frozen=True)
-class EngineLoad:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_used_blocks: int
-    draining: bool
-
-
-# A sink receives (outputs, load) per step, or (None, load) once the stream is done:
-# it was half-closed by its client and its last request finished.
-Sink = Callable[[list[EngineOutput] | None, EngineLoad], None]
-
-
-@dataclass
-class _Stream:
-    sink: Sink
-    live: set[str] = field(default_factory=set)  # client request ids not yet finished
-    half_closed: bool = False
-
-
-@dataclass
 class AddCommand:
+    """One request as a stream's client sent it."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -65,19 +58,77 @@ class AddCommand:
     trace_context: dict[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class OpenStream:
+    stream_id: int
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class Add:
+    stream_id: int
+    command: AddCommand
+
+
+@dataclass(frozen=True)
+class Abort:
+    stream_id: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HalfClose:
+    """The client sends no more commands; the stream ends once its requests finish."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True)
+class CloseStream:
+    """The stream ended: abort everything it added and forget it."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True)
+class StartDraining:
+    """Refuse new requests from now on; running ones go on."""
+
+
+@dataclass(frozen=True)
+class FailAll:
+    """Finish every request with an in-band error (a shutdown cut)."""
+
+    error: RequestError
+
+
+Command = OpenStream | Add | Abort | HalfClose | CloseStream | StartDraining | FailAll
+
+
+@dataclass
+class _Stream:
+    sink: Sink
+    live: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id, until finished
+    half_closed: bool = False
+
+
 class EngineLoop:
-    def __init__(self, core: EngineCore | None = None, *, max_waiting: int) -> None:
+    def __init__(self, core: EngineCore | None = None) -> None:
         self.core = core  # None until start(build) has built it
-        self.max_waiting = max_waiting
-        self.draining = False
+        self.stats = EngineStats()  # replaced, never changed, by the engine thread
+        # Called on the engine thread after every turn with the new snapshot and the
+        # outputs of the step it ran (empty if none): metrics.
+        self.on_stats: Callable[[EngineStats, list[EngineOutput]], None] | None = None
+        self.events: RequestEvents | None = None  # request lifecycle; None while nobody listens
         self._cond = threading.Condition()
-        self._commands: list[tuple] = []
+        self._commands: list[Command] = []
+        self._num_adds_applying = 0  # adds taken off the queue, not yet in ``stats``
+        self._stream_ids = itertools.count()
+        self._engine_ids = itertools.count()
         self._streams: dict[int, _Stream] = {}
-        self._next_stream = 0
+        self._owners: dict[str, tuple[int, str]] = {}  # engine request id -> (stream, client id)
         self._running = False
         self._thread: threading.Thread | None = None
-        self.on_step: Callable[[EngineCore, list[EngineOutput]], None] | None = None  # metrics hook
-        self.events: RequestEvents | None = None  # request lifecycle; None while nobody listens
 
     def add_listener(self, listener: RequestListener) -> None:
         """Send request lifecycle events to ``listener`` (tracing, metrics). Call before requests arrive."""
@@ -103,6 +154,7 @@ class EngineLoop:
                     self.core = build()
                     if self.events is not None:
                         self.core.scheduler.observer = self.events
+                    self.stats = self.core.make_stats()
                 except BaseException as e:  # noqa: BLE001 - handed to the caller of start()
                     failure.append(e)
                     return
@@ -127,51 +179,35 @@ class EngineLoop:
             self._thread.join(timeout=10)
 
     def open_stream(self, sink: Sink) -> int:
-        with self._cond:
-            sid = self._next_stream
-            self._next_stream += 1
-            self._commands.append(("open", sid, sink))
-            self._cond.notify()
-        return sid
+        stream_id = next(self._stream_ids)
+        self._push(OpenStream(stream_id, sink))
+        return stream_id
 
-    def add(self, sid: int, cmd: AddCommand) -> None:
-        self._push(("add", sid, cmd))
+    def add(self, stream_id: int, command: AddCommand) -> None:
+        self._push(Add(stream_id, command))
 
-    def abort(self, sid: int, request_ids: list[str]) -> None:
-        self._push(("abort", sid, list(request_ids)))
+    def abort(self, stream_id: int, request_ids: list[str]) -> None:
+        self._push(Abort(stream_id, tuple(request_ids)))
 
-    def half_close(self, sid: int) -> None:
-        self._push(("half_close", sid, None))
+    def half_close(self, stream_id: int) -> None:
+        self._push(HalfClose(stream_id))
 
-    def close_stream(self, sid: int) -> None:
-        """The stream ended: abort everything it added and forget it."""
-        self._push(("close", sid, None))
+    def close_stream(self, stream_id: int) -> None:
+        self._push(CloseStream(stream_id))
 
     def start_draining(self) -> None:
-        self.draining = True
+        self._push(StartDraining())
+
+    def fail_all(self, error: RequestError) -> None:
+        self._push(FailAll(error))
 
     def num_unfinished(self) -> int:
-        # Called from the event loop while the engine thread edits the streams: list()
-        # copies under the GIL in one step, where iterating the live dict could fail.
+        """Requests added that have not finished, queued commands included."""
         with self._cond:
-            queued = sum(1 for c in self._commands if c[0] == "add")
-        return queued + sum(len(s.live) for s in list(self._streams.values()))
+            queued = sum(isinstance(c, Add) for c in self._commands)
+            return queued + self._num_adds_applying + self.stats.num_unfinished
 
-    def abort_all(self) -> None:
-        self._push(("abort_all", -1, None))
-
-    def load(self) -> EngineLoad:
-        sched, kv = self.core.scheduler, self.core.kv_cache
-        return EngineLoad(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_cache_usage=kv.usage,
-            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
-            num_used_blocks=kv.num_used_blocks,
-            draining=self.draining,
-        )
-
-    def _push(self, command: tuple) -> None:
+    def _push(self, command: Command) -> None:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
@@ -179,66 +215,73 @@ class EngineLoop:
     # -- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        assert self.core is not None
+        core = self.core
         while True:
             with self._cond:
-                while self._running and not self._commands and not self.core.has_unfinished_requests():
+                while self._running and not self._commands and not core.has_unfinished_requests():
                     self._cond.wait()
                 if not self._running:
                     return
                 commands, self._commands = self._commands, []
+                self._num_adds_applying = sum(isinstance(c, Add) for c in commands)
             outputs: list[EngineOutput] = []
             for command in commands:
-                outputs.extend(self._apply(*command))
-            if self.core.has_unfinished_requests():
+                outputs.extend(self._apply(command))
+            step_outputs: list[EngineOutput] = []
+            if core.has_unfinished_requests():
                 try:
-                    step_outputs = self.core.step()
+                    step_outputs = core.step()
                 except Exception:  # a model fault must not leave requests hanging forever
                     logger.exception("engine step failed; failing the running requests")
-                    step_outputs = self._fail_all("engine step failed; see the engine log")
+                    error = RequestError(ErrorCode.INTERNAL, "engine step failed; see the engine log")
+                    step_outputs = core.fail(list(self._owners), error)
                 outputs.extend(step_outputs)
                 if self.events is not None:
                     self.events.after_step()
-                if self.on_step is not None:
-                    self.on_step(self.core, step_outputs)
+            stats = core.make_stats()
+            with self._cond:
+                self.stats = stats
+                self._num_adds_applying = 0
+            if self.on_stats is not None:
+                self.on_stats(stats, step_outputs)
             if outputs:
-                self._dispatch(outputs)
+                self._dispatch(outputs, stats)
 
-    def _apply(self, kind: str, sid: int, arg) -> list[EngineOutput]:
-        if kind == "open":
-            self._streams[sid] = _Stream(arg)
-            return []
-        stream = self._streams.get(sid)
-        if kind == "abort_all":
-            # Cut by the shutdown timeout: an in-band UNAVAILABLE, so that the client learns
-            # its output is incomplete and may retry elsewhere (a plain abort would read as done).
-            return self._fail_all(
-                "the engine shut down before this request finished (shutdown timeout); retry on another engine",
-                ErrorCode.UNAVAILABLE,
-            )
-        if stream is None:
-            return []
-        if kind == "add":
-            return self._add(sid, stream, arg)
-        if kind == "abort":
-            return self.core.abort([f"{sid}/{rid}" for rid in arg if rid in stream.live])
-        if kind == "half_close":
-            stream.half_closed = True
-            if not stream.live:
-                stream.sink(None, self.load())
-            return []
-        if kind == "close":
-            aborted = self.core.abort([f"{sid}/{rid}" for rid in stream.live])
-            if self.events is not None:
+    def _apply(self, command: Command) -> list[EngineOutput]:
+        core = self.core
+        assert core is not None
+        match command:
+            case OpenStream(stream_id, sink):
+                self._streams[stream_id] = _Stream(sink)
+            case StartDraining():
+                core.draining = True
+            case FailAll(error):
+                return core.fail(list(self._owners), error)
+            case Add(stream_id, cmd) if (stream := self._streams.get(stream_id)) is not None:
+                return self._add(stream_id, stream, cmd)
+            case Abort(stream_id, request_ids) if (stream := self._streams.get(stream_id)) is not None:
+                return core.abort([stream.live[r] for r in request_ids if r in stream.live])
+            case HalfClose(stream_id) if (stream := self._streams.get(stream_id)) is not None:
+                stream.half_closed = True
+                if not stream.live:
+                    stream.sink(None, self.stats)
+            case CloseStream(stream_id) if (stream := self._streams.pop(stream_id, None)) is not None:
+                aborted = core.abort(list(stream.live.values()))
                 for out in aborted:
-                    self.events.finished(out)
-            del self._streams[sid]
-            return []
-        raise ValueError(f"unknown engine command {kind!r}")
+                    self._owners.pop(out.request_id, None)
+                    if self.events is not None:
+                        self.events.finished(out)
+        return []
 
-    def _add(self, sid: int, stream: _Stream, cmd: AddCommand) -> list[EngineOutput]:
-        request = self.core.make_request(
-            f"{sid}/{cmd.request_id}", cmd.prompt_token_ids, cmd.sampling_params,
-            priority=cmd.priority, arrival_time=cmd.arrival_time or time.time(), trace_context=cmd.trace_context,
+    def _add(self, stream_id: int, stream: _Stream, cmd: AddCommand) -> list[EngineOutput]:
+        core = self.core
+        assert core is not None
+        engine_id = f"{stream_id}/{next(self._engine_ids)}"
+        request = core.make_request(
+            engine_id, cmd.prompt_token_ids, cmd.sampling_params, priority=cmd.priority,
+            arrival_time=cmd.arrival_time or time.time(), trace_context=cmd.trace_context,
+            client_request_id=cmd.request_id,
         )
         if cmd.request_id in stream.live:
             error = RequestError(
@@ -247,51 +290,37 @@ class EngineLoop:
                 "request_id",
             )
             # Not registered: the refusal must not finish the live request of that id.
-            out = self.core.refuse(request, error)
+            out = core.refuse(request, error)
             out.request_id = cmd.request_id
-            stream.sink([out], self.load())
+            stream.sink([out], self.stats)
             return []
-        stream.live.add(cmd.request_id)
+        stream.live[cmd.request_id] = engine_id
+        self._owners[engine_id] = (stream_id, cmd.request_id)
         if self.events is not None:
             self.events.queued(request)
-        if self.draining:
-            error = RequestError(ErrorCode.UNAVAILABLE, "the engine is shutting down; retry on another engine")
-            return [self.core.refuse(request, error)]
-        if self.core.scheduler.num_waiting >= self.max_waiting:
-            error = RequestError(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"the engine's waiting queue is full ({self.max_waiting} requests); retry later",
-            )
-            return [self.core.refuse(request, error)]
-        error_output = self.core.add_request(request)
+        error_output = core.add_request(request)
         return [error_output] if error_output is not None else []
 
-    def _fail_all(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> list[EngineOutput]:
-        ids = [f"{s}/{rid}" for s, st in self._streams.items() for rid in st.live]
-        outputs = self.core.abort(ids)
-        error = RequestError(code, message)
-        for out in outputs:
-            out.finish_reason, out.error = FinishReason.ERROR, error
-        return outputs
-
-    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+    def _dispatch(self, outputs: list[EngineOutput], stats: EngineStats) -> None:
         by_stream: dict[int, list[EngineOutput]] = defaultdict(list)
         for out in outputs:
-            sid_text, _, rid = out.request_id.partition("/")
-            sid = int(sid_text)
-            stream = self._streams.get(sid)
+            owner = self._owners.get(out.request_id)
+            if owner is None:  # its stream closed meanwhile
+                continue
+            stream_id, client_id = owner
+            stream = self._streams.get(stream_id)
             if out.finished:
+                del self._owners[out.request_id]
                 if self.events is not None:
                     self.events.finished(out)  # still keyed by the engine request id
                 if stream is not None:
-                    stream.live.discard(rid)
+                    stream.live.pop(client_id, None)
             if stream is None:
                 continue
-            out.request_id = rid
-            by_stream[sid].append(out)
-        load = self.load()
-        for sid, outs in by_stream.items():
-            stream = self._streams[sid]
-            stream.sink(outs, load)
+            out.request_id = client_id
+            by_stream[stream_id].append(out)
+        for stream_id, outs in by_stream.items():
+            stream = self._streams[stream_id]
+            stream.sink(outs, stats)
             if stream.half_closed and not stream.live:
-                stream.sink(None, load)
+                stream.sink(None, stats)

@@ -125,10 +125,6 @@ class RequestEvents:
         timeline.finished_ns = time.time_ns()
         self._emit("on_finished", timeline, output)
 
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     def _emit(self, event: str, *args) -> None:
         # A faulty listener must never stop the engine loop or fail a request.
         for listener in self.listeners:

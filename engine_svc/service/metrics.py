@@ -1,6 +1,7 @@
 """Prometheus metrics of the engine, served on ``--metrics-port``.
 
-Gauges and step figures are updated once per step (``EngineLoop.on_step``); request
+Gauges follow the engine's snapshot after every turn of its loop (``EngineLoop.on_stats``:
+steps, aborts and going idle alike), step figures after every step; request
 figures come from lifecycle events (``RequestListener``), so requests refused at once
 (invalid, queue full, draining) count too. docs/observability.md lists every metric.
 """
@@ -9,10 +10,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine_svc.core import EngineCore
+from engine_svc.outputs import EngineOutput, EngineStats
 from engine_svc.service.engine_loop import EngineLoop
 from engine_svc.service.lifecycle import RequestListener, RequestTimeline
-from engine_svc.outputs import EngineOutput
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
 
 
@@ -57,21 +57,21 @@ class EngineMetrics(RequestListener):
 
     def attach(self, engine: EngineLoop) -> None:
         """Start observing ``engine``; call before ``engine.start()``."""
-        engine.on_step = self.observe
+        engine.on_stats = self.observe
         engine.add_listener(self)
 
-    def observe(self, core: EngineCore, outputs: list[EngineOutput]) -> None:
-        sched, kv = core.scheduler, core.kv_cache
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting)
-        self.kv_usage.set(kv.usage)
-        self.hit_rate.set(kv.prefix_cache_hit_rate)
-        self.step_time.observe(core.last_step_s)
-        self.batch_tokens.observe(core.last_batch_tokens)
-        new = sched.num_preemptions - self._preemptions_seen
+    def observe(self, stats: EngineStats, outputs: list[EngineOutput]) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.hit_rate.set(stats.prefix_cache_hit_rate)
+        if stats.step is not None:
+            self.step_time.observe(stats.step.duration_s)
+            self.batch_tokens.observe(stats.step.num_batched_tokens)
+        new = stats.num_preemptions - self._preemptions_seen
         if new > 0:
             self.preemptions.inc(new)
-            self._preemptions_seen = sched.num_preemptions
+            self._preemptions_seen = stats.num_preemptions
         num_generated = sum(len(out.new_token_ids) for out in outputs)
         if num_generated:
             self.generated.inc(num_generated)

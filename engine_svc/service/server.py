@@ -21,7 +21,9 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_svc.config import EngineConfig
 from engine_svc.service.servicer import EngineServicer
+from engine_svc.types import ErrorCode, RequestError
 from tandem_common.grpc_options import server_options
+from tandem_common.ready import remove_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -104,6 +106,7 @@ class EngineServer:
         self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
         await self.server.start()
         logger.info("listening on %s:%d (%s)", cfg.host, self.port, "TLS" if creds else "plaintext")
+        write_ready_file(cfg.ready_file, service="engine", host=cfg.host, port=self.port, state="listening")
         if not (creds is not None and cfg.tls_ca) and not _is_loopback(cfg.host):
             # Server-only TLS encrypts but lets any client in: the same exposure as plaintext.
             how = "without TLS" if creds is None else "with TLS but without client certificates (--tls-ca)"
@@ -126,13 +129,14 @@ class EngineServer:
             core.warmup()
             return core
 
-        self.engine = EngineLoop(max_waiting=cfg.max_waiting)
+        self.engine = EngineLoop()
         # Built on the thread that will step it (see engine_loop.py on OpenMP pools).
         await asyncio.to_thread(self.engine.start, build)
         core = self.engine.core
         self._observe(self.engine, core.model_name)
         self.servicer.attach(self.engine, model_info(core, cfg), core.model_dir)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        write_ready_file(cfg.ready_file, service="engine", host=cfg.host, port=self.port, state="serving")
         logger.info("serving (ready %.2f s after start of loading)", time.perf_counter() - t0)
 
     def _observe(self, engine, model_name: str) -> None:
@@ -151,6 +155,7 @@ class EngineServer:
 
     async def drain_and_stop(self) -> None:
         cfg = self.config
+        remove_ready_file(cfg.ready_file)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.engine is not None:
             self.engine.start_draining()
@@ -160,7 +165,10 @@ class EngineServer:
             left = self.engine.num_unfinished()
             if left:
                 logger.warning("shutdown timeout: aborting %d unfinished requests", left)
-                self.engine.abort_all()
+                self.engine.fail_all(RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    "the engine shut down before this request finished (shutdown timeout); retry on another engine",
+                ))
                 await asyncio.sleep(0.1)
         if self.server is not None:
             await self.server.stop(grace=1.0)
@@ -183,6 +191,7 @@ class EngineServer:
         done, _ = await asyncio.wait({load_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if load_task in done and load_task.exception() is not None:
             logger.error("failed to load the model: %s", load_task.exception())
+            remove_ready_file(self.config.ready_file)
             await self.server.stop(grace=None)
             raise SystemExit(1)
         await stop_task

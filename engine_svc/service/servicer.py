@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine_svc.service.engine_loop import AddCommand, EngineLoad, EngineLoop
-from engine_svc.outputs import EngineOutput
-from engine_svc.sched.request import ErrorCode, FinishReason, Logprob, SamplingParams
+from engine_svc.outputs import EngineOutput, EngineStats
+from engine_svc.service.engine_loop import AddCommand, EngineLoop
+from engine_svc.types import DEFAULT_MAX_TOKENS, ErrorCode, FinishReason, Logprob, SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 
@@ -47,7 +47,7 @@ _ERROR = {
 
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         min_tokens=p.min_tokens,
         temperature=p.temperature if p.HasField("temperature") else 1.0,
         top_p=p.top_p if p.HasField("top_p") else 1.0,
@@ -91,11 +91,11 @@ def output_to_proto(out: EngineOutput) -> pb.RequestOutput:
     return msg
 
 
-def load_to_proto(load: EngineLoad) -> pb.EngineLoad:
+def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
     return pb.EngineLoad(
-        num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
-        prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_used_blocks=load.num_used_blocks,
-        draining=load.draining,
+        num_running=stats.num_running, num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_used_blocks=stats.num_used_blocks,
+        draining=stats.draining,
     )
 
 
@@ -192,7 +192,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetLoad(self, request, context):
         engine = await self._require_engine(context)
-        return pb.GetLoadResponse(load=load_to_proto(engine.load()))
+        return pb.GetLoadResponse(load=load_to_proto(engine.stats))
 
     async def GetTokenizer(self, request, context):
         await self._require_engine(context)

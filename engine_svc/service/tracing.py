@@ -16,9 +16,9 @@ from __future__ import annotations
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from engine_svc.outputs import EngineOutput
-from engine_svc.sched.request import FinishReason
+from engine_svc.service.lifecycle import RequestListener, RequestTimeline
+from engine_svc.types import FinishReason
 
 SPAN_NAME = "tandem.engine.request"
 
@@ -36,7 +36,7 @@ def request_attributes(timeline: RequestTimeline, model_name: str) -> dict:
         "gen_ai.request.presence_penalty": p.presence_penalty,
         "gen_ai.request.frequency_penalty": p.frequency_penalty,
         "gen_ai.usage.input_tokens": request.num_prompt_tokens,
-        "tandem.request_id": request.request_id.partition("/")[2] or request.request_id,
+        "tandem.request_id": request.client_request_id,
         "tandem.engine.request_id": request.request_id,
         "tandem.request.priority": request.priority,
         "tandem.request.min_tokens": p.min_tokens,

@@ -9,7 +9,7 @@ import pytest
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.service.engine_loop import AddCommand, EngineLoop
-from engine_svc.sched.request import SamplingParams
+from engine_svc.types import SamplingParams
 
 
 def test_build_runs_on_the_thread_that_steps(demo_model_dir):
@@ -21,11 +21,11 @@ def test_build_runs_on_the_thread_that_steps(demo_model_dir):
         core.warmup()
         return core
 
-    loop = EngineLoop(max_waiting=4)
+    loop = EngineLoop()
     loop.start(build)
     try:
         assert loop.core is not None
-        loop.on_step = lambda core, outputs: threads["step"].add(threading.get_ident())
+        loop.on_stats = lambda stats, outputs: threads["step"].add(threading.get_ident())
         done, tokens = threading.Event(), []
 
         def sink(outs, load):
@@ -49,7 +49,7 @@ def test_a_failing_build_raises_from_start_and_leaves_no_thread():
     def build() -> EngineCore:
         raise FileNotFoundError("no config.json in /nowhere")
 
-    loop = EngineLoop(max_waiting=4)
+    loop = EngineLoop()
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         loop.start(build)
     loop._thread.join(timeout=5)
@@ -58,4 +58,4 @@ def test_a_failing_build_raises_from_start_and_leaves_no_thread():
 
 def test_start_needs_a_core_or_a_build_function():
     with pytest.raises(ValueError, match="a core to the constructor or a build function"):
-        EngineLoop(max_waiting=4).start()
+        EngineLoop().start()

@@ -17,7 +17,7 @@ import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.sched.request import FinishReason, SamplingParams
+from engine_svc.types import FinishReason, SamplingParams
 from tests.model_factory import load_hf_model, make_model_dir
 
 NUM_NEW = 12

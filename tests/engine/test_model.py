@@ -24,7 +24,8 @@ from engine_svc.model.runner import ModelRunner
 from engine_svc.model.llama import ModelArgs
 from engine_svc.model.loader import load_model
 from engine_svc.outputs import ScheduledRequest, SchedulerOutput
-from engine_svc.sched.request import Request, SamplingParams
+from engine_svc.sched.request import Request
+from engine_svc.types import SamplingParams
 from tests.model_factory import EOS_TOKEN_ID, load_hf_model, make_model_dir
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, SchedulerOutput
-from engine_svc.sched.request import ErrorCode, FinishReason, Logprob, Request, RequestStatus, SamplingParams
+from engine_svc.sched.request import Request, RequestStatus
+from engine_svc.types import ErrorCode, FinishReason, Logprob, SamplingParams
 from engine_svc.sched.scheduler import Scheduler
 
 BS = 4  # block size in these tests
@@ -81,7 +82,7 @@ def test_prefill_then_decode_until_max_tokens():
     st = step(s)
     assert st.outputs["a"].finish_reason == FinishReason.LENGTH
     assert s.kv_cache_manager.num_used_blocks == 0 and not s.has_unfinished_requests()
-    assert s.get_request("a") is None
+    assert s.requests.get("a") is None
     assert s.schedule().finished_request_ids == {"a"}
 
 
@@ -158,7 +159,7 @@ def test_prompt_logprobs_disable_hits_and_are_counted():
     lps = [Logprob(t, -1.0, 1) for t in prompt[1:6]]
     outputs = s.update_from_output(out, ModelRunnerOutput(prompt_logprobs={"b": lps}))
     assert outputs[0].prompt_logprobs == lps and not outputs[0].new_token_ids
-    assert s.get_request("b").num_prompt_logprobs_done == 5
+    assert s.requests.get("b").num_prompt_logprobs_done == 5
 
 
 def pool_pressure(policy: str, **a_b_kw) -> Scheduler:
@@ -177,13 +178,13 @@ def test_preemption_by_recompute_takes_the_latest_request():
     s = pool_pressure("fcfs")
     st = step(s)  # both need a third block; b arrived last and gives its blocks back
     assert st.rows == [("a", 8, 1)] and st.scheduler_output.finished_request_ids == {"b"}
-    b = s.get_request("b")
+    b = s.requests.get("b")
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert s.num_preemptions == 1 and s.num_waiting == 1 and "b" not in st.outputs
     outputs = run_all(s)
     assert [t for o in outputs["b"] for t in o.new_token_ids] == [TOKEN] * 4  # 2 before, 4 after
     assert outputs["b"][-1].finish_reason == FinishReason.LENGTH
-    assert s.get_request("b") is None and s.kv_cache_manager.num_used_blocks == 0
+    assert s.requests.get("b") is None and s.kv_cache_manager.num_used_blocks == 0
 
 
 def test_preempted_request_goes_to_the_front_of_the_queue():
@@ -196,7 +197,7 @@ def test_preempted_request_goes_to_the_front_of_the_queue():
 def test_request_preempts_itself_when_it_is_the_latest():
     s = pool_pressure("fcfs", a={"arrival": 5})  # a was admitted first but arrived last
     st = step(s)
-    assert st.rows == [("b", 8, 1)] and s.get_request("a").status == RequestStatus.PREEMPTED
+    assert st.rows == [("b", 8, 1)] and s.requests.get("a").status == RequestStatus.PREEMPTED
 
 
 def test_priority_policy_serves_lower_values_first_then_by_arrival():
@@ -211,7 +212,7 @@ def test_priority_policy_serves_lower_values_first_then_by_arrival():
 def test_priority_policy_preempts_the_lowest_priority():
     s = pool_pressure("priority", a={"priority": 3}, b={"priority": 1})
     st = step(s)  # a arrived first, but b is more important
-    assert st.rows == [("b", 8, 1)] and s.get_request("a").status == RequestStatus.PREEMPTED
+    assert st.rows == [("b", 8, 1)] and s.requests.get("a").status == RequestStatus.PREEMPTED
 
 
 def test_abort_waiting_running_twice_and_unknown():

@@ -14,7 +14,7 @@ from opentelemetry.trace import StatusCode
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.service.engine_loop import AddCommand, EngineLoop
-from engine_svc.sched.request import SamplingParams
+from engine_svc.types import SamplingParams
 from engine_svc.service.tracing import RequestTracer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -35,7 +35,7 @@ def traced(core):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    loop = EngineLoop(core, max_waiting=16)
+    loop = EngineLoop(core)
     loop.add_listener(RequestTracer(provider.get_tracer("test"), core.model_name))
     loop.start()
     yield loop, exporter

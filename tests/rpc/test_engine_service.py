@@ -89,9 +89,11 @@ async def test_cancelled_stream_aborts_its_requests(channel):
     stream = EngineStream(channel)
     for i in range(8):
         stream.add(f"r{i}", list(range(5, 60)), max_tokens=5000, ignore_eos=True)
-    await asyncio.sleep(0.5)
-    load = (await stub.GetLoad(pb.GetLoadRequest())).load
-    assert load.num_used_blocks > 0
+    # The load is a snapshot taken after each engine step: wait for one that shows them.
+    deadline = asyncio.get_running_loop().time() + 30
+    while (await stub.GetLoad(pb.GetLoadRequest())).load.num_used_blocks == 0:
+        assert asyncio.get_running_loop().time() < deadline, "the requests never held KV blocks"
+        await asyncio.sleep(0.05)
     stream.cancel()
     await wait_idle(stub)
 

@@ -38,7 +38,7 @@ _SOURCE = Path(__file__).with_name("paged_attention.c")
 _SYMBOL = "tandem_paged_decode_attention_f32"
 _lock = threading.Lock()
 _UNSET = object()
-_kernel = _UNSET  # DecodeAttentionKernel | None once load_decode_attention has run
+_kernel: object = _UNSET  # DecodeAttentionKernel | None once load_decode_attention has run
 
 
 class DecodeAttentionKernel:
@@ -124,6 +124,7 @@ def load_decode_attention() -> DecodeAttentionKernel | None:
     global _kernel
     with _lock:
         if _kernel is not _UNSET:
+            assert _kernel is None or isinstance(_kernel, DecodeAttentionKernel)
             return _kernel
         kernel = None
         flags = _flags()
@@ -135,6 +136,7 @@ def load_decode_attention() -> DecodeAttentionKernel | None:
         else:
             try:
                 if not target.is_file():
+                    assert cc is not None
                     _build(cc, flags, target)
                 lib = ctypes.CDLL(str(target))
                 fn = getattr(lib, _SYMBOL)

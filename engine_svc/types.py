@@ -1,0 +1,71 @@
+"""The engine's value types, and the read-only view of a request that the model side gets.
+
+The scheduler side owns the mutable ``Request`` (``engine_svc/sched/request.py``); the
+model runner and the sampler read requests only through ``RequestView``, so they can
+never move a counter the scheduler relies on. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from tandem_common.types import ErrorCode, FinishReason, Logprob
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS", "ErrorCode", "FinishReason", "Logprob", "RequestError", "RequestView", "SamplingParams",
+]
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request was refused or failed; travels in band on the engine stream."""
+
+    code: ErrorCode
+    message: str
+    field: str = ""  # the offending field, e.g. "sampling_params.top_p"
+
+
+class RequestView(Protocol):
+    """What the model runner and the sampler read of a request, and nothing more.
+
+    Token layout: ``all_token_ids = prompt_token_ids + output_token_ids``; the first
+    ``num_computed_tokens`` of them have their K/V in the cache.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_logprobs_done(self) -> int:
+        """Prompt positions whose logprobs were sent already (before a preemption, say)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...

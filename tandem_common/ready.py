@@ -1,0 +1,65 @@
+"""The readiness file: how a tool that starts a service learns its port and when it serves.
+
+A service started with ``--ready-file PATH`` writes one JSON object there, atomically
+(write a temporary file, then rename), so a reader never sees half of it::
+
+    {"service": "engine", "pid": 4242, "host": "127.0.0.1", "port": 50051, "state": "listening"}
+
+``state`` is ``"listening"`` as soon as the port is bound (with ``--port 0`` this is
+how the chosen port becomes known), then ``"serving"`` once health turns SERVING. The
+service removes the file when it stops, so a file left over never describes a dead
+process. This file, not the log, is the interface: log lines may change at any time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def write_ready_file(path: str | os.PathLike | None, *, service: str, host: str, port: int, state: str) -> None:
+    if not path:
+        return
+    path = Path(path)
+    info = {"service": service, "pid": os.getpid(), "host": host, "port": port, "state": state}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+def remove_ready_file(path: str | os.PathLike | None) -> None:
+    if path:
+        Path(path).unlink(missing_ok=True)
+
+
+def read_ready_file(path: str | os.PathLike) -> dict | None:
+    """The file's contents, or None while it does not exist."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def wait_ready_file(
+    path: str | os.PathLike, proc: subprocess.Popen, *, state: str = "listening", timeout: float = 120.0
+) -> dict:
+    """Wait until the service behind ``proc`` reports ``state`` (or later) in ``path``.
+
+    Raises RuntimeError at once if the process exits first, TimeoutError after ``timeout``.
+    """
+    wanted = ("listening", "serving").index(state)
+    deadline = time.monotonic() + timeout
+    while True:
+        info = read_ready_file(path)
+        if info is not None and ("listening", "serving").index(info["state"]) >= wanted:
+            return info
+        if proc.poll() is not None:
+            raise RuntimeError(f"the process exited with code {proc.returncode} before it was {state}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the process was not {state} within {timeout:.0f} s")
+        time.sleep(0.02)
