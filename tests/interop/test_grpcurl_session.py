@@ -130,7 +130,7 @@ def test_grpcurl_session_against_the_engine(services):
     }, s.transcript()
     assert finishes["bad"]["error"] == {
         "code": "ERROR_CODE_INVALID_ARGUMENT", "field": "sampling_params.top_p",
-        "message": "top_p must be in (0, 1], got 2.0",
+        "message": "sampling_params.top_p: must be in (0, 1], got 2.0",
     }, s.transcript()
     assert sum(len(o.get("new_token_ids", [])) for o in outputs if o["request_id"] == "good") == 4, s.transcript()
 
