@@ -1,8 +1,8 @@
 """``tandem``: run the engine and the frontend together, and small helpers.
 
-    tandem serve [--model DIR]     start both services as two processes; Ctrl-C stops both
-    tandem try "Once upon a time"  start both on free ports, stream one completion, stop both
-    tandem demo-model DIR          write the built-in demo model to DIR
+tandem serve [--model DIR]     start both services as two processes; Ctrl-C stops both
+tandem try "Once upon a time"  start both on free ports, stream one completion, stop both
+tandem demo-model DIR          write the built-in demo model to DIR
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ class Service:
         self.name = name
         self.port: int | None = None
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1,
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
             start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
         )
         self._echo = echo
@@ -61,17 +65,40 @@ class Service:
 
 
 def _start_pair(args, engine_port: int, frontend_port: int, echo: bool) -> tuple[Service, Service]:
-    engine_argv = [sys.executable, "-m", "engine_svc", "--host", args.host, "--port", str(engine_port),
-                   "--device", args.device, "--dtype", args.dtype]
+    engine_argv = [
+        sys.executable,
+        "-m",
+        "engine_svc",
+        "--host",
+        args.host,
+        "--port",
+        str(engine_port),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     if args.model:
         engine_argv += ["--model", args.model]
     engine = Service("engine", engine_argv + list(args.engine_arg), echo)
     try:
         port = engine.wait_port(120)
-        frontend = Service("frontend", [
-            sys.executable, "-m", "frontend_svc", "--host", args.host, "--port", str(frontend_port),
-            "--engine", f"{args.host}:{port}", *args.frontend_arg,
-        ], echo)
+        frontend = Service(
+            "frontend",
+            [
+                sys.executable,
+                "-m",
+                "frontend_svc",
+                "--host",
+                args.host,
+                "--port",
+                str(frontend_port),
+                "--engine",
+                f"{args.host}:{port}",
+                *args.frontend_arg,
+            ],
+            echo,
+        )
         frontend.wait_port(120)
     except BaseException:
         engine.stop()
@@ -88,7 +115,10 @@ def _wait_serving(address: str, timeout: float) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -113,8 +143,9 @@ def _stream_completion(address: str, prompt: str, max_tokens: int) -> None:
             if response.finish_reason:
                 usage = response.usage
                 reason = generate_pb2.FinishReason.Name(response.finish_reason)
-                sys.stdout.write(f"\n\n[{reason}; {usage.prompt_tokens} prompt + {usage.completion_tokens} "
-                                 f"generated tokens]\n")
+                sys.stdout.write(
+                    f"\n\n[{reason}; {usage.prompt_tokens} prompt + {usage.completion_tokens} generated tokens]\n"
+                )
 
 
 def cmd_serve(args) -> int:
@@ -126,8 +157,10 @@ def cmd_serve(args) -> int:
     try:
         _wait_serving(address, 300)
         print(f"Tandem is serving on {address} (engine on {args.host}:{engine.port}); Ctrl-C stops both.", flush=True)
-        print(f"Try: grpcurl -plaintext -d '{{\"text\": \"Hello\"}}' {address} "
-              "tandem.generate.v1.GenerateService/Generate", flush=True)
+        print(
+            f'Try: grpcurl -plaintext -d \'{{"text": "Hello"}}\' {address} tandem.generate.v1.GenerateService/Generate',
+            flush=True,
+        )
         while not stop.is_set() and engine.proc.poll() is None and frontend.proc.poll() is None:
             stop.wait(0.5)
     finally:
@@ -161,15 +194,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def pair_options(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", default=None, metavar="DIR",
-                        help="local Hugging Face model directory (default: the built-in demo model)")
+        sp.add_argument(
+            "--model",
+            default=None,
+            metavar="DIR",
+            help="local Hugging Face model directory (default: the built-in demo model)",
+        )
         sp.add_argument("--host", default="127.0.0.1", help="address both services listen on")
         sp.add_argument("--device", default=os.environ.get("TANDEM_DEVICE", "cpu"), help="cpu or cuda")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        sp.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                        help="extra tandem-engine argument (repeatable), e.g. --engine-arg=--max-num-seqs=64")
-        sp.add_argument("--frontend-arg", action="append", default=[], metavar="ARG",
-                        help="extra tandem-frontend argument (repeatable)")
+        sp.add_argument(
+            "--engine-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="extra tandem-engine argument (repeatable), e.g. --engine-arg=--max-num-seqs=64",
+        )
+        sp.add_argument(
+            "--frontend-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help="extra tandem-frontend argument (repeatable)",
+        )
 
     serve = sub.add_parser("serve", help="start the engine and the frontend; Ctrl-C stops both")
     pair_options(serve)

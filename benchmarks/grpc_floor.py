@@ -46,9 +46,10 @@ async def _serve(ports: mp.Queue, messages: int, tick_s: float) -> None:
                 await step.wait()
             yield _PAYLOAD
 
-    handler = grpc.method_handlers_generic_handler("floor.Floor", {
-        "Stream": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=_same, response_serializer=_same)
-    })
+    handler = grpc.method_handlers_generic_handler(
+        "floor.Floor",
+        {"Stream": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=_same, response_serializer=_same)},
+    )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -88,8 +89,11 @@ def measure(streams: int, messages: int, tick_ms: float) -> dict:
             cpu0, t0 = process_cpu_s(server.pid), time.perf_counter()
             sent = asyncio.run(_drive(port, streams, mode))
             wall, cpu = time.perf_counter() - t0, process_cpu_s(server.pid) - cpu0
-            result[name] = {"messages": sent, "wall_s": round(wall, 3),
-                            "server_cpu_us_per_message": round(cpu / sent * 1e6, 1)}
+            result[name] = {
+                "messages": sent,
+                "wall_s": round(wall, 3),
+                "server_cpu_us_per_message": round(cpu / sent * 1e6, 1),
+            }
         return result
     finally:
         server.terminate()
@@ -103,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tick-ms", type=float, default=20.0, help="paced run: one message per call per tick (default: 20)")
     args = p.parse_args(argv)
     for name, figures in measure(args.streams, args.messages, args.tick_ms).items():
-        print(f"{name:13s} {figures['messages']} messages in {figures['wall_s']} s: "
-              f"server CPU {figures['server_cpu_us_per_message']} us per message")
+        print(
+            f"{name:13s} {figures['messages']} messages in {figures['wall_s']} s: "
+            f"server CPU {figures['server_cpu_us_per_message']} us per message"
+        )
     return 0
 
 

@@ -22,9 +22,19 @@ def make_benchmark_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     config = LlamaConfig(
-        vocab_size=8192, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        vocab_size=8192,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -45,17 +55,30 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(_CORPUS_PATH.read_text(encoding="utf-8").splitlines(), trainer=trainer)
     # The corpus is too small for 8192 merges: fill the rest so every model id decodes.
     missing = vocab_size - tokenizer.get_vocab_size()
     tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(missing)])
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False,
-        "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast",
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": False,
+                "model_max_length": 2048,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,13 @@ def _totals(workload: list[dict]) -> tuple[int, int]:
 
 def _figures(workload: list[dict], wall_s: float, startup_s: float | None = None) -> dict:
     num_prompt, num_output = _totals(workload)
-    out = {"output_tok_per_s": num_output / wall_s, "total_tok_per_s": (num_prompt + num_output) / wall_s,
-           "wall_s": wall_s, "num_requests": len(workload), "num_output_tokens": num_output}
+    out = {
+        "output_tok_per_s": num_output / wall_s,
+        "total_tok_per_s": (num_prompt + num_output) / wall_s,
+        "wall_s": wall_s,
+        "num_requests": len(workload),
+        "num_output_tokens": num_output,
+    }
     if startup_s is not None:
         out["startup_s"] = startup_s
     return out
@@ -36,9 +41,18 @@ def _figures(workload: list[dict], wall_s: float, startup_s: float | None = None
 
 def engine_args(args) -> list[str]:
     return [
-        "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-        "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--kv-cache-bytes", str(args.kv_cache_bytes),
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--kv-cache-bytes",
+        str(args.kv_cache_bytes),
     ]
 
 
@@ -78,8 +92,9 @@ def run_engine_grpc(args, workload: list[dict]) -> dict:
                 stream = EngineStream(channel)
                 start = time.perf_counter()
                 for i, r in enumerate(workload):
-                    stream.add(str(i), r["prompt_token_ids"], max_tokens=r["max_tokens"], temperature=0.0,
-                               ignore_eos=True)
+                    stream.add(
+                        str(i), r["prompt_token_ids"], max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True
+                    )
                 await stream.wait(*map(str, range(len(workload))), timeout=3600)
                 wall = time.perf_counter() - start
                 short = [i for i, r in enumerate(workload) if len(stream.results[str(i)].token_ids) != r["max_tokens"]]
@@ -104,17 +119,23 @@ def run_hf(args, workload: list[dict], batch_size: int) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(subset), batch_size):
-            batch = subset[i:i + batch_size]
+            batch = subset[i : i + batch_size]
             width = max(len(r["prompt_token_ids"]) for r in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for row, r in enumerate(batch):
                 p = r["prompt_token_ids"]
-                ids[row, width - len(p):] = torch.tensor(p)
-                mask[row, width - len(p):] = 1
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
             new = max(r["max_tokens"] for r in batch)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
     return _figures(subset, time.perf_counter() - t0) | {"batch_size": batch_size}
 
 
@@ -127,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--baseline", default="hf", choices=["hf", "none"])
     p.add_argument("--baseline-batch-sizes", default="1,8,16")
-    p.add_argument("--baseline-max-requests", type=int, default=0,
-                   help="run the baseline on the first N requests only (0 = all; it is slow)")
+    p.add_argument(
+        "--baseline-max-requests",
+        type=int,
+        default=0,
+        help="run the baseline on the first N requests only (0 = all; it is slow)",
+    )
     p.add_argument("--via-grpc", action="store_true", help="also run through the engine service on loopback")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -136,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     workload = load(args.workload)
-    report: dict = {"model": args.model, "workload": args.workload, "dtype": args.dtype,
-                    "threads": os.cpu_count()}
+    report: dict = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "threads": os.cpu_count()}
     report["engine"] = run_engine(args, workload)
     print(f"engine      {json.dumps(report['engine'])}", flush=True)
     if args.via_grpc:

@@ -83,12 +83,12 @@ class RequestResult:
 
 # -- load generation --------------------------------------------------------------------------
 
+
 async def _generate(stub, request: dict, arrival: float, sent: float, timeout: float) -> RequestResult:
     result = RequestResult(arrival, sent, len(request["prompt_token_ids"]))
     message = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=request["prompt_token_ids"]),
-        sampling_params=generate_pb2.SamplingParams(max_tokens=request["max_tokens"], temperature=0.0,
-                                                    ignore_eos=True),
+        sampling_params=generate_pb2.SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True),
         return_token_ids=True,  # so every message says how many tokens it carries
     )
     last = None
@@ -109,15 +109,24 @@ async def _generate(stub, request: dict, arrival: float, sent: float, timeout: f
     return result
 
 
-async def run_rate(stub, workload: list[dict], rate: float, *, max_concurrency: int | None, seed: int,
-                   timeout: float, progress: bool = True) -> tuple[list[RequestResult], float]:
+async def run_rate(
+    stub,
+    workload: list[dict],
+    rate: float,
+    *,
+    max_concurrency: int | None,
+    seed: int,
+    timeout: float,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float]:
     """Sends the workload with Poisson arrivals at ``rate`` (inf: all at once)."""
     from tqdm import tqdm
 
     rng = random.Random(seed)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(workload), desc=f"rate {rate:g}", unit="req", file=sys.stderr, disable=not progress,
-               leave=False)
+    bar = tqdm(
+        total=len(workload), desc=f"rate {rate:g}", unit="req", file=sys.stderr, disable=not progress, leave=False
+    )
 
     async def one(request: dict) -> RequestResult:
         arrival = time.perf_counter()
@@ -140,6 +149,7 @@ async def run_rate(stub, workload: list[dict], rate: float, *, max_concurrency: 
 
 
 # -- figures ----------------------------------------------------------------------------------
+
 
 def _stats(samples_s: list[float]) -> dict | None:
     """mean and percentiles in milliseconds; None when there are no samples."""
@@ -203,6 +213,7 @@ def process_cpu_s(pid: int) -> float:
 
 # -- services and the in-process engine --------------------------------------------------------
 
+
 def _engine_flags(args) -> list[str]:
     return [a for arg in args.engine_arg for a in shlex.split(arg)]
 
@@ -252,18 +263,31 @@ def run_inprocess(args, workload: list[dict], vocab_size: int) -> dict:
     wall = time.perf_counter() - t0
     num_prompt = sum(len(r["prompt_token_ids"]) for r in workload)
     num_output = sum(len(c.output_token_ids) for c in completions)
-    return {"wall_s": wall, "startup_s": startup_s, "num_output_tokens": num_output,
-            "output_tok_per_s": num_output / wall, "total_tok_per_s": (num_prompt + num_output) / wall}
+    return {
+        "wall_s": wall,
+        "startup_s": startup_s,
+        "num_output_tokens": num_output,
+        "output_tok_per_s": num_output / wall,
+        "total_tok_per_s": (num_prompt + num_output) / wall,
+    }
 
 
 # -- the run ---------------------------------------------------------------------------------
 
+
 def build_workload(args, info) -> tuple[list[dict], str]:
     if args.synthetic:
-        workload = synthetic(args.seed, num_requests=args.num_requests, prompt_len=args.prompt_len,
-                             output_len=args.output_len, vocab_size=info.vocab_size)
-        name = (f"synthetic n={args.num_requests} prompt={args.prompt_len[0]}:{args.prompt_len[1]} "
-                f"output={args.output_len[0]}:{args.output_len[1]} seed={args.seed}")
+        workload = synthetic(
+            args.seed,
+            num_requests=args.num_requests,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            vocab_size=info.vocab_size,
+        )
+        name = (
+            f"synthetic n={args.num_requests} prompt={args.prompt_len[0]}:{args.prompt_len[1]} "
+            f"output={args.output_len[0]}:{args.output_len[1]} seed={args.seed}"
+        )
     else:
         workload = load(args.workload)[: args.num_requests or None]
         name = args.workload
@@ -289,8 +313,14 @@ async def drive(args, target: str, frontend_pid: int | None, engine_pid: int | N
         for i, rate in enumerate(args.rate):
             cpu0 = {pid: process_cpu_s(pid) for pid in (frontend_pid, engine_pid) if pid}
             # Each rate gets its own salt, so no run is served from blocks an earlier run cached.
-            results, wall = await run_rate(stub, salted(workload, i, vocab), rate,
-                                           max_concurrency=args.max_concurrency, seed=args.seed, timeout=args.timeout)
+            results, wall = await run_rate(
+                stub,
+                salted(workload, i, vocab),
+                rate,
+                max_concurrency=args.max_concurrency,
+                seed=args.seed,
+                timeout=args.timeout,
+            )
             entry = summarize(results, wall, rate)
             for key, pid in (("frontend", frontend_pid), ("engine", engine_pid)):
                 if pid:
@@ -299,9 +329,17 @@ async def drive(args, target: str, frontend_pid: int | None, engine_pid: int | N
                     entry[f"{key}_cpu_us_per_token"] = cpu * 1e6 / max(entry["num_output_tokens"], 1)
             entries.append(entry)
             entry["_results"] = results
-    return {"model": info.model_name, "target": target, "workload": name, "num_requests": len(workload),
-            "max_concurrency": args.max_concurrency, "seed": args.seed, "results": entries, "_workload": workload,
-            "_vocab_size": vocab}
+    return {
+        "model": info.model_name,
+        "target": target,
+        "workload": name,
+        "num_requests": len(workload),
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "results": entries,
+        "_workload": workload,
+        "_vocab_size": vocab,
+    }
 
 
 def _rates(text: str) -> list[float]:
@@ -324,30 +362,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--target", metavar="HOST:PORT", help="a running frontend")
     where.add_argument("--launch", action="store_true", help="start an engine and a frontend here, stop them after")
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="model of --launch and --compare-inprocess (default: the demo model)")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="ARGS",
-                   help="engine flags, e.g. --engine-arg=--max-num-seqs=64 (repeatable, shell-split)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model of --launch and --compare-inprocess (default: the demo model)",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="engine flags, e.g. --engine-arg=--max-num-seqs=64 (repeatable, shell-split)",
+    )
     p.add_argument("--frontend-arg", action="append", default=[], metavar="ARGS", help="frontend flags (repeatable)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", metavar="FILE", help="JSON lines of {prompt_token_ids, max_tokens}")
     src.add_argument("--synthetic", action="store_true", help="random prompt ids within the served vocabulary")
-    p.add_argument("--num-requests", type=int, default=0,
-                   help="--synthetic: how many; --workload: the first N (default: all)")
-    p.add_argument("--prompt-len", type=_range, default=(32, 256), metavar="MIN:MAX",
-                   help="--synthetic prompt tokens, uniform (default: 32:256)")
-    p.add_argument("--output-len", type=_range, default=(16, 128), metavar="MIN:MAX",
-                   help="--synthetic max_tokens, uniform (default: 16:128)")
-    p.add_argument("--rate", type=_rates, default=[math.inf], metavar="R[,R2,...]",
-                   help="requests/s of the Poisson arrivals, one run per rate; inf = all at once (default: inf)")
+    p.add_argument(
+        "--num-requests", type=int, default=0, help="--synthetic: how many; --workload: the first N (default: all)"
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=_range,
+        default=(32, 256),
+        metavar="MIN:MAX",
+        help="--synthetic prompt tokens, uniform (default: 32:256)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=_range,
+        default=(16, 128),
+        metavar="MIN:MAX",
+        help="--synthetic max_tokens, uniform (default: 16:128)",
+    )
+    p.add_argument(
+        "--rate",
+        type=_rates,
+        default=[math.inf],
+        metavar="R[,R2,...]",
+        help="requests/s of the Poisson arrivals, one run per rate; inf = all at once (default: inf)",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="most calls open at once (default: no cap)")
     p.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the synthetic workload (default: 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each call in seconds (default: 600)")
     p.add_argument("--warmup", type=int, default=1, help="short untimed calls before the first rate (default: 1)")
     p.add_argument("--frontend-pid", type=int, default=None, help="measure this local frontend's CPU time")
     p.add_argument("--engine-pid", type=int, default=None, help="measure this local engine's CPU time")
-    p.add_argument("--compare-inprocess", action="store_true",
-                   help="also run the workload on the engine in this process (same --model / --engine-arg)")
+    p.add_argument(
+        "--compare-inprocess",
+        action="store_true",
+        help="also run the workload on the engine in this process (same --model / --engine-arg)",
+    )
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="latency against rate (or CDFs for one rate)")
     args = p.parse_args(argv)

@@ -40,28 +40,36 @@ def format_table(report: dict) -> str:
         ("requests/s", [_num(e["req_per_s"], ".2f") for e in entries]),
         ("output tokens/s", [_num(e["output_tok_per_s"], ".1f") for e in entries]),
         ("total tokens/s", [_num(e["total_tok_per_s"], ".1f") for e in entries]),
-        ("arrivals/s -> completions/s", [f"{_num(e['arrival_req_per_s'], '.2f')} -> "
-                                         f"{_num(e['completion_req_per_s'], '.2f')}" for e in entries]),
+        (
+            "arrivals/s -> completions/s",
+            [f"{_num(e['arrival_req_per_s'], '.2f')} -> {_num(e['completion_req_per_s'], '.2f')}" for e in entries],
+        ),
     ]
     for key, name in (*LATENCIES[:2], ("tpot_ms", "TPOT"), LATENCIES[2]):
         for stat in ("mean", "p50", "p90", "p99"):
             rows.append((f"{name} {stat} ms", [_num((e[key] or {}).get(stat), ".1f") for e in entries]))
-    for key, name, fmt in (("frontend_cpu_us_per_token", "frontend CPU us/token", ".1f"),
-                           ("engine_cpu_us_per_token", "engine CPU us/token", ".1f"),
-                           ("pair_over_inprocess", "pair / in-process tok/s", ".3f")):
+    for key, name, fmt in (
+        ("frontend_cpu_us_per_token", "frontend CPU us/token", ".1f"),
+        ("engine_cpu_us_per_token", "engine CPU us/token", ".1f"),
+        ("pair_over_inprocess", "pair / in-process tok/s", ".3f"),
+    ):
         if any(key in e for e in entries):
             rows.append((name, [_num(e.get(key), fmt) for e in entries]))
 
     width = max(len(name) for name, _ in rows)
     cols = [max(len(row[1][i]) for row in rows) for i in range(len(entries))]
-    lines = [f"model {report['model']} at {report['target']}; workload {report['workload']} "
-             f"({report['num_requests']} requests, max concurrency {report['max_concurrency'] or 'none'})"]
+    lines = [
+        f"model {report['model']} at {report['target']}; workload {report['workload']} "
+        f"({report['num_requests']} requests, max concurrency {report['max_concurrency'] or 'none'})"
+    ]
     for name, cells in rows:
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, cols)))
     if "inprocess" in report:
         ip = report["inprocess"]
-        lines.append(f"in-process engine: {ip['output_tok_per_s']:.1f} output tokens/s, "
-                     f"{ip['total_tok_per_s']:.1f} total tokens/s, {ip['wall_s']:.2f} s")
+        lines.append(
+            f"in-process engine: {ip['output_tok_per_s']:.1f} output tokens/s, "
+            f"{ip['total_tok_per_s']:.1f} total tokens/s, {ip['wall_s']:.2f} s"
+        )
     if sum(math.isfinite(e["rate"]) for e in entries) >= 1:
         sat = report.get("saturation_rate")
         lines.append(f"saturation: {_rate_label(sat)}" if sat is not None else "saturation: not reached")
@@ -109,8 +117,12 @@ def _sweep(plt, report: dict):
         ax.set_ylabel(f"{name} (ms)")
     ax = axes.flat[3]
     ax.plot(xs, [e["req_per_s"] for e in entries], "o-", label="achieved (requests / wall time)")
-    ax.plot(xs, [e["completion_req_per_s"] if math.isfinite(e["completion_req_per_s"]) else math.nan
-                 for e in entries], "s--", label="completions / completion span")
+    ax.plot(
+        xs,
+        [e["completion_req_per_s"] if math.isfinite(e["completion_req_per_s"]) else math.nan for e in entries],
+        "s--",
+        label="completions / completion span",
+    )
     if finite:
         ax.plot([0, max(finite)], [0, max(finite)], color="grey", lw=0.8, label="offered")
     ax.set_ylabel("requests/s")
@@ -123,8 +135,9 @@ def _sweep(plt, report: dict):
             ax.axvline(sat, color="red", lw=1, alpha=0.7)
         ax.legend(fontsize=7)
     if sat is not None:
-        axes.flat[3].annotate(f"saturation ~{sat:g} req/s", (sat, 0), xytext=(4, 8), textcoords="offset points",
-                              color="red", fontsize=8)
+        axes.flat[3].annotate(
+            f"saturation ~{sat:g} req/s", (sat, 0), xytext=(4, 8), textcoords="offset points", color="red", fontsize=8
+        )
     return fig
 
 
@@ -133,8 +146,11 @@ def _cdf(plt, entry: dict):
     import numpy as np
 
     ok = [r for r in entry["_results"] if r.code == "OK"]
-    samples = {"ttft_ms": [r.ttft for r in ok if r.ttft is not None],
-               "itl_ms": [x for r in ok for x in r.itl], "e2e_ms": [r.e2e for r in ok]}
+    samples = {
+        "ttft_ms": [r.ttft for r in ok if r.ttft is not None],
+        "itl_ms": [x for r in ok for x in r.itl],
+        "e2e_ms": [r.e2e for r in ok],
+    }
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     for ax, (key, name) in zip(axes, LATENCIES):
         a = np.sort(np.asarray(samples[key]) * 1e3)
@@ -143,8 +159,13 @@ def _cdf(plt, entry: dict):
             for p in (50, 99):
                 v = float(np.percentile(a, p))
                 ax.axvline(v, color="grey", lw=0.8, ls="--")
-                ax.annotate(f"p{p} {v:.1f}", (v, 0.05 if p == 50 else 0.15), fontsize=7, xytext=(3, 0),
-                            textcoords="offset points")
+                ax.annotate(
+                    f"p{p} {v:.1f}",
+                    (v, 0.05 if p == 50 else 0.15),
+                    fontsize=7,
+                    xytext=(3, 0),
+                    textcoords="offset points",
+                )
         ax.set_xlabel(f"{name} (ms)")
         ax.set_xlim(left=0)
         ax.set_ylabel("fraction of samples")

@@ -26,19 +26,25 @@ def standard(seed: int = 0, *, num_requests: int = 64, vocab_size: int = 8192) -
     """64 requests, prompts uniform in [64, 512] random ids, outputs uniform in [32, 256]."""
     rng = random.Random(seed)
     return [
-        {"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(rng.randint(64, 512))],
-         "max_tokens": rng.randint(32, 256)}
+        {
+            "prompt_token_ids": [rng.randrange(vocab_size) for _ in range(rng.randint(64, 512))],
+            "max_tokens": rng.randint(32, 256),
+        }
         for _ in range(num_requests)
     ]
 
 
-def shared_prefix(seed: int = 1, *, num_requests: int = 64, vocab_size: int = 8192, prefix_len: int = 384) -> list[dict]:
+def shared_prefix(
+    seed: int = 1, *, num_requests: int = 64, vocab_size: int = 8192, prefix_len: int = 384
+) -> list[dict]:
     """Many requests behind one long common system prompt, to show the prefix cache."""
     rng = random.Random(seed)
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     return [
-        {"prompt_token_ids": prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(8, 64))],
-         "max_tokens": rng.randint(16, 64)}
+        {
+            "prompt_token_ids": prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(8, 64))],
+            "max_tokens": rng.randint(16, 64),
+        }
         for _ in range(num_requests)
     ]
 
@@ -47,21 +53,29 @@ def chat(seed: int = 2, *, num_requests: int = 64, vocab_size: int = 8192) -> li
     """Short prompts, long outputs."""
     rng = random.Random(seed)
     return [
-        {"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(rng.randint(8, 48))],
-         "max_tokens": rng.randint(128, 384)}
+        {
+            "prompt_token_ids": [rng.randrange(vocab_size) for _ in range(rng.randint(8, 48))],
+            "max_tokens": rng.randint(128, 384),
+        }
         for _ in range(num_requests)
     ]
 
 
 def synthetic(
-    seed: int = 0, *, num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+    seed: int = 0,
+    *,
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
     vocab_size: int,
 ) -> list[dict]:
     """Random prompt ids in [0, vocab_size), lengths uniform in the given inclusive ranges."""
     rng = random.Random(seed)
     return [
-        {"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_len))],
-         "max_tokens": rng.randint(*output_len)}
+        {
+            "prompt_token_ids": [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_len))],
+            "max_tokens": rng.randint(*output_len),
+        }
         for _ in range(num_requests)
     ]
 
@@ -88,7 +102,7 @@ def fit_context(requests: list[dict], max_model_len: int) -> tuple[list[dict], i
         if len(ids) + max_tokens > max_model_len:
             changed += 1
             max_tokens = max(1, min(max_tokens, max_model_len - len(ids)))
-            ids = ids[:max_model_len - max_tokens]
+            ids = ids[: max_model_len - max_tokens]
         out.append({**r, "prompt_token_ids": ids, "max_tokens": max_tokens})
     return out, changed
 
@@ -99,8 +113,10 @@ def salted(requests: list[dict], salt: int, vocab_size: int) -> list[dict]:
     prefixes shared inside the run stay shared. Lengths do not change."""
     if salt % vocab_size == 0:
         return requests
-    return [{**r, "prompt_token_ids": [(r["prompt_token_ids"][0] + salt) % vocab_size, *r["prompt_token_ids"][1:]]}
-            for r in requests]
+    return [
+        {**r, "prompt_token_ids": [(r["prompt_token_ids"][0] + salt) % vocab_size, *r["prompt_token_ids"][1:]]}
+        for r in requests
+    ]
 
 
 WORKLOADS = {"standard": standard, "shared_prefix": shared_prefix, "chat": chat}

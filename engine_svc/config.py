@@ -38,7 +38,7 @@ class EngineConfig:
     seed: int = 0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
@@ -54,46 +54,86 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, metavar="DIR",
-                   help="local Hugging Face model directory (Llama, Mistral, Qwen2); "
-                   "default: the built-in demo model (random weights, gibberish text)")
+    m.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="local Hugging Face model directory (Llama, Mistral, Qwen2); "
+        "default: the built-in demo model (random weights, gibberish text)",
+    )
     m.add_argument("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
     m.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
-    m.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV cache type (float16 only on CUDA)")
-    m.add_argument("--max-model-len", type=int, default=None,
-                   help="context length cap (default: the model's max_position_embeddings)")
+    m.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and KV cache type (float16 only on CUDA)",
+    )
+    m.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length cap (default: the model's max_position_embeddings)",
+    )
     m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    m.add_argument("--kernels", default=d.kernels, choices=["auto", "torch"],
-                   help="auto: on CPU, matmuls use weights pre-packed for oneDNN and, in float32, decode "
-                   "attention runs a native kernel compiled on first use (needs a C compiler); "
-                   "torch: plain torch ops everywhere (the reference path)")
+    m.add_argument(
+        "--kernels",
+        default=d.kernels,
+        choices=["auto", "torch"],
+        help="auto: on CPU, matmuls use weights pre-packed for oneDNN and, in float32, decode "
+        "attention runs a native kernel compiled on first use (needs a C compiler); "
+        "torch: plain torch ops everywhere (the reference path)",
+    )
     m.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's shared generator")
 
     s = p.add_argument_group("scheduler and KV cache")
     s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget per step, shared by prefill chunks and decodes")
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="token budget per step, shared by prefill chunks and decodes",
+    )
     s.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     kv = s.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
-    kv.add_argument("--kv-cache-bytes", type=int, default=None,
-                    help=f"KV cache size in bytes (default {DEFAULT_KV_CACHE_BYTES} when no size is given)")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
-                   help="reuse KV blocks of identical prompt prefixes")
+    kv.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help=f"KV cache size in bytes (default {DEFAULT_KV_CACHE_BYTES} when no size is given)",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse KV blocks of identical prompt prefixes",
+    )
     s.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
-    s.add_argument("--max-waiting", type=int, default=d.max_waiting,
-                   help="waiting-queue length beyond which new requests get RESOURCE_EXHAUSTED")
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d.max_waiting,
+        help="waiting-queue length beyond which new requests get RESOURCE_EXHAUSTED",
+    )
 
     n = p.add_argument_group("server")
     n.add_argument("--host", default=d.host, help="address to listen on")
     n.add_argument("--port", type=int, default=d.port, help="gRPC port (0 picks a free one)")
     n.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
-    n.add_argument("--ready-file", default=None, metavar="PATH",
-                   help="write the port and state (listening, then serving) here as JSON; removed on exit. "
-                   "For tools that start the engine, e.g. with --port 0 (see tandem_common/ready.py)")
-    n.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                   help="seconds running requests may take to finish after SIGTERM")
+    n.add_argument(
+        "--ready-file",
+        default=None,
+        metavar="PATH",
+        help="write the port and state (listening, then serving) here as JSON; removed on exit. "
+        "For tools that start the engine, e.g. with --port 0 (see tandem_common/ready.py)",
+    )
+    n.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout,
+        help="seconds running requests may take to finish after SIGTERM",
+    )
     n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
     n.add_argument("--tls-key", default=None, help="server private key (PEM)")
     n.add_argument("--tls-ca", default=None, help="CA (PEM) that client certificates must chain to (mutual TLS)")
@@ -102,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")
     o.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ERROR")
     o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
-    o.add_argument("--otlp-endpoint", default=None,
-                   help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
-                   "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
-                   "tracing is off when none is set")
+    o.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
+        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+        "tracing is off when none is set",
+    )
     return p

@@ -90,9 +90,15 @@ class EngineCore:
         logger.info(
             "engine ready: model %s on %s (%s), KV cache %d blocks x %d tokens = %d tokens "
             "(%.1f MiB), max_model_len %d, loaded in %.2f s",
-            self.model_name, config.device, config.dtype, self.runner.num_kv_blocks, config.block_size,
+            self.model_name,
+            config.device,
+            config.dtype,
+            self.runner.num_kv_blocks,
+            config.block_size,
             self.runner.num_kv_blocks * config.block_size,
-            self.runner.num_kv_blocks * self.runner.bytes_per_block / 2**20, self.max_model_len, self.startup_s,
+            self.runner.num_kv_blocks * self.runner.bytes_per_block / 2**20,
+            self.max_model_len,
+            self.startup_s,
         )
 
     # -- requests ---------------------------------------------------------------------
@@ -104,7 +110,10 @@ class EngineCore:
         """Admit ``request`` (``sched/admission.py``) and queue it; if it may not enter,
         finish it at once and return its error output."""
         error = check_admission(
-            request, self.limits, num_waiting=self.scheduler.num_waiting, draining=self.draining,
+            request,
+            self.limits,
+            num_waiting=self.scheduler.num_waiting,
+            draining=self.draining,
             pool_error=self.kv_cache.pool_error(request.num_tokens),
         )
         if error is not None:
@@ -161,9 +170,7 @@ class EngineCore:
 
     # -- offline API ----------------------------------------------------------------------
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run ``prompts`` to completion and return them in input order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

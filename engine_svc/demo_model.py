@@ -200,9 +200,7 @@ def _train_tokenizer():
     tokenizer.train_from_iterator(lines, trainer=trainer)
     # Added after training, so they take the last ids (as in Llama 3) and the trained
     # ids stay dense from 0.
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.Sequence(
         [
@@ -221,15 +219,12 @@ def _write_tokenizer_files(tokenizer, special_ids: dict[str, int], out: Path) ->
     tokenizer.save(str(out / "tokenizer.json"), pretty=True)
 
     def token_entry(content: str) -> dict:
-        return {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
-                "single_word": False}
+        return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
 
     tokenizer_config = {
         "add_bos_token": True,  # the post-processor adds BOS to every encoded prompt
         "add_eos_token": False,
-        "added_tokens_decoder": {
-            str(special_ids[t]): {**token_entry(t), "special": True} for t in SPECIAL_TOKENS
-        },
+        "added_tokens_decoder": {str(special_ids[t]): {**token_entry(t), "special": True} for t in SPECIAL_TOKENS},
         "bos_token": BOS_TOKEN,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -344,5 +339,4 @@ def _weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n",
-                    encoding="utf-8")
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")

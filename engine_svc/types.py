@@ -15,7 +15,13 @@ from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from tandem_common.types import ErrorCode, FinishReason, Logprob
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS", "ErrorCode", "FinishReason", "Logprob", "RequestError", "RequestView", "SamplingParams",
+    "DEFAULT_MAX_TOKENS",
+    "ErrorCode",
+    "FinishReason",
+    "Logprob",
+    "RequestError",
+    "RequestView",
+    "SamplingParams",
 ]
 
 

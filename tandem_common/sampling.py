@@ -80,13 +80,22 @@ def check_sampling_params(p: SamplingParams, vocab_size: int) -> FieldError | No
     checks: list[tuple[bool, str, str]] = [
         (p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}"),
         (p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}"),
-        (p.min_tokens <= p.max_tokens, "min_tokens",
-         f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"),
+        (
+            p.min_tokens <= p.max_tokens,
+            "min_tokens",
+            f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
+        ),
         (p.top_k >= -1, "top_k", f"must be -1, 0 (all tokens) or positive, got {p.top_k}"),
-        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
-         f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
-        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
-         f"must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
+        (
+            p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}",
+        ),
+        (
+            p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}",
+        ),
     ]
     for name, allowed in RANGES.items():
         value = getattr(p, name)

@@ -45,7 +45,9 @@ def generate(out_dir: Path) -> None:
         if out_dir.exists():
             shutil.rmtree(out_dir)
         out_dir.mkdir(parents=True)
-        (out_dir / "__init__.py").write_text('"""Generated protobuf and gRPC code; regenerate with tools/gen_protos.py."""\n')
+        (out_dir / "__init__.py").write_text(
+            '"""Generated protobuf and gRPC code; regenerate with tools/gen_protos.py."""\n'
+        )
         for src in sorted(Path(tmp).rglob("*")):
             rel = src.relative_to(tmp)
             dst = out_dir / rel

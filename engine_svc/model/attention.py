@@ -188,7 +188,9 @@ class AttentionMetadata:
             chunk_mask: torch.Tensor | None = None
             if s > 0:
                 block_ids = table[r, : blocks_needed[r]].to(device)
-                chunk_mask = _additive(torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None], dtype).to(device)
+                chunk_mask = _additive(torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None], dtype).to(
+                    device
+                )
             meta.prefills.append(PrefillChunk(row, n, s, block_ids, chunk_mask))
             row += n
         return meta
@@ -243,7 +245,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q ``[num_tokens, heads, head_dim]``, k/v ``[num_tokens, kv_heads, head_dim]`` -> ``[num_tokens, heads, head_dim]``.
+    """q ``[num_tokens, heads, hd]``, k/v ``[num_tokens, kv_heads, hd]`` -> ``[num_tokens, heads, hd]``.
 
     Writes k/v into ``kv_cache`` first, so decode rows see their own token.
     """

@@ -104,9 +104,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
         return files
     if single.is_file():
         return [single]
-    raise FileNotFoundError(
-        f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
-    )
+    raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
 
 
 def _our_name(hf_name: str) -> tuple[str, int | None] | None:
@@ -173,6 +171,12 @@ def load_model(
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, vocab %d, %s on %s",
-        args.architecture, model_dir, args.num_layers, args.hidden_size, args.vocab_size, dtype, device,
+        args.architecture,
+        model_dir,
+        args.num_layers,
+        args.hidden_size,
+        args.vocab_size,
+        dtype,
+        device,
     )
     return model, args

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
-from engine_svc.model.loader import load_model, read_special_token_ids
-from engine_svc.model.loader import resolve_dtype
-from engine_svc.model.packed_linear import pack_linears, packing_supported
+from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
 from engine_svc.model.native import load_decode_attention
+from engine_svc.model.packed_linear import pack_linears, packing_supported
+from engine_svc.model.sampler import Sampler
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import RequestView, SamplingParams
-from engine_svc.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +99,10 @@ class ModelRunner:
         self.sampler.generator.manual_seed(seed)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
-            num_kv_blocks, block_size, num_kv_blocks * self.bytes_per_block / 2**20, self.max_model_len,
+            num_kv_blocks,
+            block_size,
+            num_kv_blocks * self.bytes_per_block / 2**20,
+            self.max_model_len,
         )
 
     def _allocate_kv_cache(self) -> list[KVCache]:

@@ -36,7 +36,8 @@ def check_admission(
         return error
     if num_waiting >= limits.max_waiting:
         return RequestError(
-            ErrorCode.RESOURCE_EXHAUSTED, f"the engine's waiting queue is full ({limits.max_waiting} requests); retry later"
+            ErrorCode.RESOURCE_EXHAUSTED,
+            f"the engine's waiting queue is full ({limits.max_waiting} requests); retry later",
         )
     if pool_error is not None:
         return RequestError(ErrorCode.RESOURCE_EXHAUSTED, pool_error)

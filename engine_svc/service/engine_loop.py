@@ -279,8 +279,12 @@ class EngineLoop:
         assert core is not None
         engine_id = f"{stream_id}/{next(self._engine_ids)}"
         request = core.make_request(
-            engine_id, cmd.prompt_token_ids, cmd.sampling_params, priority=cmd.priority,
-            arrival_time=cmd.arrival_time or time.time(), trace_context=cmd.trace_context,
+            engine_id,
+            cmd.prompt_token_ids,
+            cmd.sampling_params,
+            priority=cmd.priority,
+            arrival_time=cmd.arrival_time or time.time(),
+            trace_context=cmd.trace_context,
             client_request_id=cmd.request_id,
         )
         if cmd.request_id in stream.live:

@@ -23,33 +23,60 @@ class EngineMetrics(RequestListener):
         self.running = Gauge("tandem_engine_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("tandem_engine_requests_waiting", "Requests queued", registry=r)
         self.kv_usage = Gauge("tandem_engine_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
-        self.hit_rate = Gauge("tandem_engine_prefix_cache_hit_ratio",
-                              "Fraction of queried prompt tokens served from the prefix cache", registry=r)
-        self.step_time = Histogram("tandem_engine_step_duration_seconds", "Duration of one engine step",
-                                   buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("tandem_engine_step_batch_tokens", "Tokens computed per step",
-                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.hit_rate = Gauge(
+            "tandem_engine_prefix_cache_hit_ratio",
+            "Fraction of queried prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "tandem_engine_step_duration_seconds", "Duration of one engine step", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "tandem_engine_step_batch_tokens", "Tokens computed per step", buckets=TOKEN_BUCKETS, registry=r
+        )
         self.preemptions = Counter("tandem_engine_preemptions_total", "Requests preempted for recompute", registry=r)
         self.generated = Counter("tandem_engine_generation_tokens_total", "Tokens generated", registry=r)
-        self.prompt = Counter("tandem_engine_prompt_tokens_total",
-                              "Prompt tokens of requests admitted for the first time", registry=r)
-        self.prompt_cached = Counter("tandem_engine_prompt_tokens_cached_total",
-                                     "Prompt tokens served from the prefix cache at first admission", registry=r)
-        self.finished = Counter("tandem_engine_requests_finished_total", "Finished requests by reason",
-                                ["finish_reason"], registry=r)
-        self.queue_time = Histogram("tandem_engine_request_queue_time_seconds",
-                                    "Time from arrival in the engine to first admission", buckets=LATENCY_BUCKETS,
-                                    registry=r)
-        self.ttft = Histogram("tandem_engine_time_to_first_token_seconds",
-                              "Time from arrival in the engine to the first output token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.e2e = Histogram("tandem_engine_e2e_request_latency_seconds",
-                             "Time from arrival in the engine to the end of the request", buckets=LATENCY_BUCKETS,
-                             registry=r)
-        self.request_prompt = Histogram("tandem_engine_request_prompt_tokens", "Prompt tokens per finished request",
-                                        buckets=TOKEN_BUCKETS, registry=r)
-        self.request_generation = Histogram("tandem_engine_request_generation_tokens",
-                                            "Output tokens per finished request", buckets=TOKEN_BUCKETS, registry=r)
+        self.prompt = Counter(
+            "tandem_engine_prompt_tokens_total", "Prompt tokens of requests admitted for the first time", registry=r
+        )
+        self.prompt_cached = Counter(
+            "tandem_engine_prompt_tokens_cached_total",
+            "Prompt tokens served from the prefix cache at first admission",
+            registry=r,
+        )
+        self.finished = Counter(
+            "tandem_engine_requests_finished_total", "Finished requests by reason", ["finish_reason"], registry=r
+        )
+        self.queue_time = Histogram(
+            "tandem_engine_request_queue_time_seconds",
+            "Time from arrival in the engine to first admission",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tandem_engine_time_to_first_token_seconds",
+            "Time from arrival in the engine to the first output token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_engine_e2e_request_latency_seconds",
+            "Time from arrival in the engine to the end of the request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt = Histogram(
+            "tandem_engine_request_prompt_tokens",
+            "Prompt tokens per finished request",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation = Histogram(
+            "tandem_engine_request_generation_tokens",
+            "Output tokens per finished request",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
         self._preemptions_seen = 0
         self.port = port
         if port:

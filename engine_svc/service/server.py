@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 
-
 def server_credentials(cert: str | None, key: str | None, ca: str | None) -> grpc.ServerCredentials | None:
     if not cert:
         if key or ca:  # never fall back to plaintext when TLS was asked for
@@ -42,7 +41,9 @@ def server_credentials(cert: str | None, key: str | None, ca: str | None) -> grp
         raise SystemExit("--tls-cert needs --tls-key")
     root = Path(ca).read_bytes() if ca else None
     return grpc.ssl_server_credentials(
-        [(Path(key).read_bytes(), Path(cert).read_bytes())], root_certificates=root, require_client_auth=root is not None
+        [(Path(key).read_bytes(), Path(cert).read_bytes())],
+        root_certificates=root,
+        require_client_auth=root is not None,
     )
 
 
@@ -113,7 +114,9 @@ class EngineServer:
             logger.warning(
                 "the engine listens on %s %s: anyone who can reach this port can generate text "
                 "and read the tokenizer. Use mutual TLS (--tls-cert/--tls-key/--tls-ca) or restrict the port "
-                "to frontends (the Helm chart's NetworkPolicy does this).", cfg.host, how,
+                "to frontends (the Helm chart's NetworkPolicy does this).",
+                cfg.host,
+                how,
             )
 
     async def load(self) -> None:
@@ -165,10 +168,12 @@ class EngineServer:
             left = self.engine.num_unfinished()
             if left:
                 logger.warning("shutdown timeout: aborting %d unfinished requests", left)
-                self.engine.fail_all(RequestError(
-                    ErrorCode.UNAVAILABLE,
-                    "the engine shut down before this request finished (shutdown timeout); retry on another engine",
-                ))
+                self.engine.fail_all(
+                    RequestError(
+                        ErrorCode.UNAVAILABLE,
+                        "the engine shut down before this request finished (shutdown timeout); retry on another engine",
+                    )
+                )
                 await asyncio.sleep(0.1)
         if self.server is not None:
             await self.server.stop(grace=1.0)

@@ -23,8 +23,15 @@ from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
     "generation_config.json",
 )
 TOKENIZER_CHUNK_BYTES = 1 << 20
@@ -67,7 +74,9 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
 
 def _logprob_to_proto(lp: Logprob) -> pb.TokenLogprob:
     return pb.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
     )
 
@@ -93,8 +102,11 @@ def output_to_proto(out: EngineOutput) -> pb.RequestOutput:
 
 def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
     return pb.EngineLoad(
-        num_running=stats.num_running, num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
-        prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_used_blocks=stats.num_used_blocks,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        kv_cache_usage=stats.kv_cache_usage,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        num_used_blocks=stats.num_used_blocks,
         draining=stats.draining,
     )
 
@@ -118,8 +130,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.model_dir: Path | None = None
         # A chunk plus its header must fit the server's send limit (--max-message-bytes),
         # or a tokenizer.json larger than the limit could never be handed out.
-        self.tokenizer_chunk_bytes = max(1024, min(TOKENIZER_CHUNK_BYTES,
-                                                   max_message_bytes - _CHUNK_HEADROOM_BYTES))
+        self.tokenizer_chunk_bytes = max(1024, min(TOKENIZER_CHUNK_BYTES, max_message_bytes - _CHUNK_HEADROOM_BYTES))
 
     def attach(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse, model_dir: Path) -> None:
         self.engine, self.model_info, self.model_dir = engine, model_info, model_dir
@@ -171,14 +182,17 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 action = msg.WhichOneof("action")
                 if action == "add":
                     add = msg.add
-                    engine.add(sid, AddCommand(
-                        request_id=add.request_id,
-                        prompt_token_ids=list(add.prompt_token_ids),
-                        sampling_params=sampling_params_from_proto(add.sampling_params),
-                        priority=add.priority,
-                        arrival_time=add.arrival_time or None,
-                        trace_context=dict(add.trace_context),
-                    ))
+                    engine.add(
+                        sid,
+                        AddCommand(
+                            request_id=add.request_id,
+                            prompt_token_ids=list(add.prompt_token_ids),
+                            sampling_params=sampling_params_from_proto(add.sampling_params),
+                            priority=add.priority,
+                            arrival_time=add.arrival_time or None,
+                            trace_context=dict(add.trace_context),
+                        ),
+                    )
                 elif action == "abort":
                     engine.abort(sid, list(msg.abort.request_ids))
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -205,6 +219,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             chunk = self.tokenizer_chunk_bytes
             for offset in range(0, max(len(data), 1), chunk):
                 yield pb.GetTokenizerResponse(
-                    file_name=path.name, offset=offset, data=data[offset:offset + chunk],
-                    total_size=len(data), sha256=digest,
+                    file_name=path.name,
+                    offset=offset,
+                    data=data[offset : offset + chunk],
+                    total_size=len(data),
+                    sha256=digest,
                 )

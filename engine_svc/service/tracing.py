@@ -55,7 +55,10 @@ class RequestTracer(RequestListener):
         carrier = timeline.request.trace_context
         parent = propagate.extract(carrier) if carrier else None
         span = self.tracer.start_span(
-            SPAN_NAME, context=parent, kind=SpanKind.SERVER, start_time=timeline.queued_ns,
+            SPAN_NAME,
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=timeline.queued_ns,
             attributes=request_attributes(timeline, self.model_name),
         )
         span.add_event("queued", timestamp=timeline.queued_ns)
@@ -63,8 +66,9 @@ class RequestTracer(RequestListener):
 
     def on_scheduled(self, timeline: RequestTimeline) -> None:
         request = timeline.request
-        timeline.span.add_event("scheduled", {"tandem.cached_tokens": max(0, request.num_cached_tokens)},
-                                timestamp=timeline.scheduled_ns)
+        timeline.span.add_event(
+            "scheduled", {"tandem.cached_tokens": max(0, request.num_cached_tokens)}, timestamp=timeline.scheduled_ns
+        )
 
     def on_first_token(self, timeline: RequestTimeline) -> None:
         timeline.span.add_event("first_token", timestamp=timeline.first_token_ns)
@@ -77,12 +81,14 @@ class RequestTracer(RequestListener):
     def on_finished(self, timeline: RequestTimeline, output: EngineOutput) -> None:
         span, request = timeline.span, timeline.request
         reason = output.finish_reason.value if output.finish_reason is not None else "unknown"
-        span.set_attributes({
-            "gen_ai.usage.output_tokens": request.num_output_tokens,
-            "gen_ai.usage.cache_read.input_tokens": output.num_cached_tokens,
-            "gen_ai.response.finish_reasons": [reason],
-            "tandem.num_preemptions": request.num_preemptions,
-        })
+        span.set_attributes(
+            {
+                "gen_ai.usage.output_tokens": request.num_output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": output.num_cached_tokens,
+                "gen_ai.response.finish_reasons": [reason],
+                "tandem.num_preemptions": request.num_preemptions,
+            }
+        )
         if timeline.scheduled_ns:
             span.set_attribute("tandem.queue_time_s", timeline.queue_time_s)
         if timeline.first_token_ns:

@@ -110,7 +110,9 @@ def _build(cc: str, flags: list[str], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
