@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from frontend_svc.engine_client import EngineClient, RequestHandle
-from frontend_svc.engine_router import EngineRouter, parse_dns_target
-from frontend_svc.engine_types import EngineLoad, EngineOutput, EngineUnavailableError, FinishReason
+from frontend_svc.engine.client import EngineClient, RequestHandle
+from frontend_svc.engine.router import EngineRouter, parse_dns_target
+from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError, FinishReason
 
 
 def test_parse_dns_target():

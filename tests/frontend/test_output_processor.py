@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.engine_types import EngineOutput, FinishReason, TokenLogprob
-from frontend_svc.output_processor import ChoiceProcessor, TextParams
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.engine.types import EngineOutput, FinishReason, TokenLogprob
+from frontend_svc.text.output_processor import ChoiceProcessor, TextParams
+from frontend_svc.text.tokenizer import Tokenizer
 from tests.frontend.tokenizer_factory import KINDS, tokenizer_files
 
 TOKENIZERS = {kind: Tokenizer.from_files(tokenizer_files(kind)) for kind in KINDS}

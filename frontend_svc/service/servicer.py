@@ -18,13 +18,13 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from frontend_svc.engine_router import EngineRouter
-from frontend_svc.engine_types import EngineUnavailableError, ErrorCode, FinishReason, ModelInfo, SamplingParams
-from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import ChoiceOutput, ChoiceProcessor, LogprobText, TextParams, TokenTexts
-from frontend_svc.request_stats import GenerateStats
-from frontend_svc.tokenizer import Tokenizer
-from frontend_svc.tracing import traced
+from frontend_svc.engine.router import EngineRouter
+from frontend_svc.engine.types import EngineUnavailableError, ErrorCode, FinishReason, ModelInfo, SamplingParams
+from frontend_svc.service.metrics import FrontendMetrics
+from frontend_svc.service.request_stats import GenerateStats
+from frontend_svc.service.tracing import traced
+from frontend_svc.text.output_processor import ChoiceOutput, ChoiceProcessor, LogprobText, TextParams, TokenTexts
+from frontend_svc.text.tokenizer import Tokenizer
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -336,7 +336,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
 
 
 # Requests larger than this (serialized) are tokenized on a worker thread, where long
-# inputs release the GIL (see tokenizer.py): one huge prompt must not stall the event
+# inputs release the GIL (see text/tokenizer.py): one huge prompt must not stall the event
 # loop, and with it every other call, stream and health check, for seconds.
 _OFF_LOOP_BYTES = 64 * 1024
 

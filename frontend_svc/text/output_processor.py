@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from frontend_svc.detokenizer import IncrementalDetokenizer
-from frontend_svc.engine_types import EngineOutput, FinishReason, TokenLogprob
-from frontend_svc.stop_checker import StopChecker
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.engine.types import EngineOutput, FinishReason, TokenLogprob
+from frontend_svc.text.detokenizer import IncrementalDetokenizer
+from frontend_svc.text.stop_checker import StopChecker
+from frontend_svc.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -3,7 +3,7 @@
 This is the only frontend module that knows the engine protocol's protobuf types; it
 hands plain dataclasses (``EngineOutput``, ``ModelInfo``, ``EngineLoad``) to the rest.
 
-    EngineRouter (engine_router.py) ── picks by least outstanding work ──▶ EngineClient (one per address)
+    EngineRouter (router.py) ── picks by least outstanding work ──▶ EngineClient (one per address)
                                                          ├─ channel (keepalive, reconnect backoff)
     servicer ── add() ──▶ RequestHandle ◀── outputs ─────┤  Stream: Add/Abort in, steps out
              ── abort() ────────────────────────────────▶┘
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import grpc
 
-from frontend_svc.engine_types import (
+from frontend_svc.engine.types import (
     EngineError, EngineLoad, EngineOutput, EngineUnavailableError, ErrorCode, FinishReason, ModelInfo,
     SamplingParams, TokenLogprob,
 )
