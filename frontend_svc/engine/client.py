@@ -27,7 +27,8 @@ import grpc
 
 from frontend_svc.engine import convert
 from frontend_svc.engine.handle import RequestHandle
-from frontend_svc.engine.types import EngineLoad, EngineUnavailableError, ModelInfo, SamplingParams
+from frontend_svc.engine.types import EngineLoad, EngineUnavailableError, ModelInfo
+from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)

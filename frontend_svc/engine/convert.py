@@ -10,9 +10,9 @@ knows the engine's protobuf types; everything past it sees plain dataclasses.
 
 from __future__ import annotations
 
-from frontend_svc.engine.types import (
-    EngineError, EngineLoad, EngineOutput, ErrorCode, FinishReason, ModelInfo, SamplingParams, TokenLogprob,
-)
+from frontend_svc.engine.types import EngineError, EngineLoad, EngineOutput, ModelInfo
+from tandem_common.sampling import SamplingParams
+from tandem_common.types import ErrorCode, FinishReason, Logprob
 from tandem_protos.tandem.engine.v1 import engine_pb2
 
 _FINISH = {
@@ -82,8 +82,8 @@ def engine_output(o: engine_pb2.RequestOutput) -> EngineOutput:
     return out
 
 
-def _logprob(lp: engine_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
+def _logprob(lp: engine_pb2.TokenLogprob) -> Logprob:
+    return Logprob(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
 
 
 def engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:

@@ -1,29 +1,21 @@
-"""Plain types the engine client hands to the rest of the frontend (no protobuf here)."""
+"""Plain types the engine client hands to the rest of the frontend (no protobuf here).
+
+The vocabulary both services share (SamplingParams, FinishReason, ErrorCode, Logprob)
+lives in tandem_common; these are the frontend's own: what one request produced, an
+engine's load, its model, and its in-band errors.
+"""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS, a stop token or (frontend side) a stop string
-    LENGTH = "length"  # max_tokens or the context length
-    ABORT = "abort"
-    ERROR = "error"  # see EngineOutput.error
-
-
-class ErrorCode(enum.Enum):
-    """In-band error classes; each maps onto the gRPC status of the same name."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-    INTERNAL = "INTERNAL"
+from tandem_common.types import ErrorCode, FinishReason, Logprob
 
 
 @dataclass(frozen=True)
 class EngineError:
+    """A request's in-band failure, as the engine reported it; ``field`` is "" when none is named."""
+
     code: ErrorCode
     message: str
     field: str = ""
@@ -34,42 +26,13 @@ class EngineUnavailableError(Exception):
 
 
 @dataclass
-class SamplingParams:
-    """Token-level controls sent to the engine; defaults are the neutral values."""
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
-
-
-@dataclass
 class EngineOutput:
     """What one request produced in one or more engine steps (merged while unread)."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0

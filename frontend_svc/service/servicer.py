@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -19,18 +18,18 @@ from dataclasses import dataclass, replace
 import grpc
 
 from frontend_svc.engine.router import EngineRouter
-from frontend_svc.engine.types import EngineUnavailableError, ErrorCode, FinishReason, ModelInfo, SamplingParams
+from frontend_svc.engine.types import EngineUnavailableError, ModelInfo
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
 from frontend_svc.text.output_processor import ChoiceOutput, ChoiceProcessor, LogprobText, TextParams, TokenTexts
 from frontend_svc.text.tokenizer import Tokenizer
+from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, check_sampling_params
+from tandem_common.types import ErrorCode, FinishReason
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
-DEFAULT_MAX_TOKENS = 16
 _U64 = 1 << 64
 
 _GRPC_CODE = {
@@ -217,9 +216,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         sp = request.sampling_params
         room = info.max_model_len - len(prompt)
         if sp.HasField("max_tokens"):
-            max_tokens = sp.max_tokens
-            if max_tokens < 1:
-                raise _invalid("sampling_params.max_tokens", f"must be at least 1, got {max_tokens}")
+            max_tokens = sp.max_tokens  # below 1: check_sampling_params says so
             if len(prompt) + max_tokens > info.max_model_len:
                 raise _invalid("sampling_params.max_tokens", (
                     f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}, together "
@@ -251,38 +248,18 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         return Plan(prompt, n, params, text, request.priority)
 
     def _check_params(self, p: SamplingParams, n: int, stop: list[str], vocab_size: int) -> None:
-        checks = [
-            (1 <= n <= self.max_n, "n", f"must be in [1, {self.max_n}], got {n}"),
-            (p.min_tokens <= p.max_tokens, "min_tokens",
-             f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"),
-            (_within(p.temperature, 0.0, 100.0), "temperature", f"must be in [0, 100], got {p.temperature}"),
-            (_within(p.top_p, 0.0, 1.0) and p.top_p > 0, "top_p", f"must be in (0, 1], got {p.top_p}"),
-            (p.top_k >= -1, "top_k", f"must be -1, 0 (all tokens) or positive, got {p.top_k}"),
-            (_within(p.min_p, 0.0, 1.0), "min_p", f"must be in [0, 1], got {p.min_p}"),
-            (_within(p.presence_penalty, -2.0, 2.0), "presence_penalty",
-             f"must be in [-2, 2], got {p.presence_penalty}"),
-            (_within(p.frequency_penalty, -2.0, 2.0), "frequency_penalty",
-             f"must be in [-2, 2], got {p.frequency_penalty}"),
-            (_within(p.repetition_penalty, 0.0, 2.0) and p.repetition_penalty > 0, "repetition_penalty",
-             f"must be in (0, 2], got {p.repetition_penalty}"),
-            (p.logprobs is None or p.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
-            (p.prompt_logprobs is None or p.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
-             f"must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
-            (len(stop) <= self.max_stop_strings, "stop",
-             f"at most {self.max_stop_strings} stop strings are allowed, got {len(stop)}"),
-        ]
-        for ok, name, message in checks:
-            if not ok:
-                raise _invalid(f"sampling_params.{name}", message)
+        """n, then the limits both services share (tandem_common.sampling), then the stop strings."""
+        if not 1 <= n <= self.max_n:
+            raise _invalid("sampling_params.n", f"must be in [1, {self.max_n}], got {n}")
+        error = check_sampling_params(p, vocab_size)
+        if error is not None:
+            raise _invalid(f"sampling_params.{error.name}", error.message)
+        if len(stop) > self.max_stop_strings:
+            raise _invalid("sampling_params.stop",
+                           f"at most {self.max_stop_strings} stop strings are allowed, got {len(stop)}")
         for i, s in enumerate(stop):
             if not s:
                 raise _invalid(f"sampling_params.stop[{i}]", "stop strings must not be empty")
-        _check_ids("sampling_params.stop_token_ids", p.stop_token_ids, vocab_size)
-        _check_ids("sampling_params.logit_bias", list(p.logit_bias), vocab_size)
-        for t, bias in p.logit_bias.items():
-            if not _within(bias, -100.0, 100.0):
-                raise _invalid("sampling_params.logit_bias", f"logit_bias[{t}] must be in [-100, 100], got {bias}")
 
     # -- unary RPCs ---------------------------------------------------------------------------
 
@@ -345,10 +322,6 @@ async def _off_loop(request, fn, *args):
     if request.ByteSize() > _OFF_LOOP_BYTES:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-def _within(x: float, lo: float, hi: float) -> bool:
-    return math.isfinite(x) and lo <= x <= hi
 
 
 def _check_ids(field: str, ids, vocab_size: int) -> None:

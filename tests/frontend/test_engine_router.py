@@ -9,7 +9,8 @@ import pytest
 from frontend_svc.engine.client import EngineClient
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, parse_dns_target
-from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError, FinishReason
+from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError
+from tandem_common.types import FinishReason
 
 
 def test_parse_dns_target():
