@@ -87,11 +87,7 @@ def _logprob(lp: engine_pb2.TokenLogprob) -> Logprob:
 
 
 def engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:
-    return EngineLoad(
-        num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
-        prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_used_blocks=load.num_used_blocks,
-        draining=load.draining,
-    )
+    return EngineLoad(num_running=load.num_running, num_waiting=load.num_waiting, draining=load.draining)
 
 
 def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -99,5 +95,4 @@ def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids),
         bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
-        architecture=info.architecture, device=info.device,
     )

@@ -55,20 +55,19 @@ class EngineOutput:
 
 @dataclass
 class EngineLoad:
+    """What routing reads of an engine's reported load."""
+
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
-    num_used_blocks: int = 0
     draining: bool = False
 
 
 @dataclass
 class ModelInfo:
+    """The model an engine serves, as its GetModelInfo tells."""
+
     model_name: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
-    architecture: str = ""
-    device: str = ""

@@ -35,7 +35,6 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 TOKENIZER_RETRY_S = 1.0
 
 
-
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Requires ``authorization: Bearer KEY`` (or ``x-api-key: KEY``) with an accepted key.
 
