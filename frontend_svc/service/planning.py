@@ -1,7 +1,8 @@
 """Generate requests checked and planned, in plain values: GenerateInput -> Plan, or a RequestError.
 
-    GenerateRequest ── convert.generate_input() ──▶ GenerateInput ── plan_generate() ──▶ Plan
-                                                                       └──▶ RequestError(code, "field: what to fix")
+    GenerateRequest ── convert.generate_input() ──▶ GenerateInput
+    GenerateInput ── plan_generate() ──▶ Plan      (prompt tokenized, every field checked)
+                                    └──▶ RequestError(code, "field: what to fix")
 
 No grpc and no protobuf here: an error carries an ErrorCode, which names the gRPC status
 the servicer ends the call with. INVALID_ARGUMENT messages start with the field's path in

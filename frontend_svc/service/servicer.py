@@ -1,7 +1,8 @@
 """The public API, tandem.generate.v1.GenerateService: each call planned, routed, streamed.
 
-    GenerateRequest ── convert ──▶ GenerateInput ── planning ──▶ Plan ── router.pick() ──▶ EngineClient.add()
-    GenerateResponse ◀── convert ── ChoiceOutput ◀── ChoiceProcessor ◀── RequestHandle.take()
+    GenerateRequest ── convert ──▶ GenerateInput ── planning ──▶ Plan ── router.pick(), add() ──▶ engine
+    engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
+           ── convert ──▶ GenerateResponse (streamed)
 
 Errors follow the proto's contract: a RequestError ends the call with the gRPC status its
 ErrorCode names (INVALID_ARGUMENT names the field), UNAVAILABLE when no engine can serve
