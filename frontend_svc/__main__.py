@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("; ".join(problems))
     setup_logging(config.log_level, config.log_format)
-    from frontend_svc.server import FrontendServer
+    from frontend_svc.service.server import FrontendServer
 
     asyncio.run(FrontendServer(config).serve_until_signal())
     return 0

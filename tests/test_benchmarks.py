@@ -114,7 +114,7 @@ def test_workload_helpers_keep_lengths():
 
 def test_benchmark_model_tokenizer_covers_every_model_id(tmp_path):
     from benchmarks.make_model import write_tokenizer
-    from frontend_svc.tokenizer import Tokenizer
+    from frontend_svc.text.tokenizer import Tokenizer
 
     write_tokenizer(tmp_path, 8192)
     tokenizer = Tokenizer.from_dir(tmp_path)

@@ -1,6 +1,6 @@
 """IncrementalDetokenizer against full decodes, on both tokenizer families.
 
-Reference (see frontend_svc/detokenizer.py):
+Reference (see frontend_svc/text/detokenizer.py):
     seed = last SEED_TOKENS prompt ids (skipped special tokens left out)
     det.seed_text + "".join(deltas) + det.flush() == decode(seed + output_ids)
 """
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.detokenizer import SEED_TOKENS, IncrementalDetokenizer, seed_token_ids
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.text.detokenizer import SEED_TOKENS, IncrementalDetokenizer, seed_token_ids
+from frontend_svc.text.tokenizer import Tokenizer
 from tests.frontend.tokenizer_factory import KINDS, tokenizer_files
 
 REPL = "\ufffd"

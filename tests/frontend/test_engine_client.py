@@ -11,7 +11,7 @@ import hashlib
 import grpc
 import pytest
 
-from frontend_svc.engine_client import EngineClient
+from frontend_svc.engine.client import EngineClient
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 

@@ -6,9 +6,11 @@ import asyncio
 
 import pytest
 
-from frontend_svc.engine_client import EngineClient, RequestHandle
-from frontend_svc.engine_router import EngineRouter, parse_dns_target
-from frontend_svc.engine_types import EngineLoad, EngineOutput, EngineUnavailableError, FinishReason
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.handle import RequestHandle
+from frontend_svc.engine.router import EngineRouter, parse_dns_target
+from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError
+from tandem_common.types import FinishReason
 
 
 def test_parse_dns_target():
@@ -54,9 +56,9 @@ def test_pick_without_available_engine_is_unavailable():
 
 async def test_handle_merges_unread_outputs_and_iterates_to_the_end():
     handle = RequestHandle("r", EngineClient("a:1"), None)
-    handle._deliver(EngineOutput("r", [1, 2], num_cached_tokens=2))
-    handle._deliver(EngineOutput("r", [3]))
-    handle._deliver(EngineOutput("r", [4], finish_reason=FinishReason.LENGTH))
+    handle.deliver(EngineOutput("r", [1, 2], num_cached_tokens=2))
+    handle.deliver(EngineOutput("r", [3]))
+    handle.deliver(EngineOutput("r", [4], finish_reason=FinishReason.LENGTH))
     got = [out async for out in handle]
     assert len(got) == 1
     assert got[0].new_token_ids == [1, 2, 3, 4] and got[0].finish_reason is FinishReason.LENGTH
@@ -65,8 +67,8 @@ async def test_handle_merges_unread_outputs_and_iterates_to_the_end():
 
 async def test_handle_failure_is_raised_after_pending_outputs():
     handle = RequestHandle("r", EngineClient("a:1"), None)
-    handle._deliver(EngineOutput("r", [1]))
-    handle._fail(EngineUnavailableError("engine a:1 went away: boom"))
+    handle.deliver(EngineOutput("r", [1]))
+    handle.fail(EngineUnavailableError("engine a:1 went away: boom"))
     assert handle.take().new_token_ids == [1]
     with pytest.raises(EngineUnavailableError, match="went away"):
         handle.take()

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.engine_types import EngineOutput, FinishReason, TokenLogprob
-from frontend_svc.output_processor import ChoiceProcessor, TextParams
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.engine.types import EngineOutput
+from frontend_svc.text.output_processor import ChoiceProcessor, TextParams
+from frontend_svc.text.tokenizer import Tokenizer
+from tandem_common.types import FinishReason, Logprob
 from tests.frontend.tokenizer_factory import KINDS, tokenizer_files
 
 TOKENIZERS = {kind: Tokenizer.from_files(tokenizer_files(kind)) for kind in KINDS}
@@ -120,7 +121,7 @@ def test_engine_stop_token_text_is_kept_with_include_stop_str_in_output():
 
 def test_logprobs_get_token_text_and_stop_at_the_stop_string():
     ids = ids_of(" red green blue")
-    lps = [TokenLogprob(t, -0.5, 1, [(t, -0.5), (5, -2.0)]) for t in ids]
+    lps = [Logprob(t, -0.5, 1, [(t, -0.5), (5, -2.0)]) for t in ids]
     proc = ChoiceProcessor(0, TOK, PROMPT, TextParams(stop=["green"]))
     (piece,) = run(proc, [out(ids, logprobs=lps)])
     assert len(piece.logprobs) == piece.usage.completion_tokens < len(ids)
@@ -129,7 +130,7 @@ def test_logprobs_get_token_text_and_stop_at_the_stop_string():
 
 
 def test_prompt_logprobs_arrive_once_with_the_first_piece():
-    plps = [TokenLogprob(t, -1.0, 3) for t in PROMPT[1:]]
+    plps = [Logprob(t, -1.0, 3) for t in PROMPT[1:]]
     proc = ChoiceProcessor(0, TOK, PROMPT, TextParams(prompt_logprobs=True))
     # Chunked prefill: prompt logprobs in two outputs before the first token.
     first = proc.process(out([], prompt_logprobs=plps[:2]))

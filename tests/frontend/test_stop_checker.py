@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.stop_checker import StopChecker
+from frontend_svc.text.stop_checker import StopChecker
 
 
 def run(stops, deltas, include=False, checks=None):

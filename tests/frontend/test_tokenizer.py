@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from frontend_svc.tokenizer import TOKENIZER_FILE_NAMES, Tokenizer
+from frontend_svc.text.tokenizer import TOKENIZER_FILE_NAMES, Tokenizer
 from tests.frontend.tokenizer_factory import CORPUS, KINDS, save_tokenizer_dir, tokenizer_files
 
 MESSAGES = [

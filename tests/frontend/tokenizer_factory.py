@@ -14,7 +14,7 @@ emoji; characters seen only once are left out of the sentencepiece alphabet, so 
 to bytes.
 
     path = save_tokenizer_dir(tmp_path, "sentencepiece")
-    tok = frontend_svc.tokenizer.Tokenizer.from_dir(path)
+    tok = frontend_svc.text.tokenizer.Tokenizer.from_dir(path)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from opentelemetry.trace.span import NonRecordingSpan
 from engine_svc.config import EngineConfig
 from engine_svc.service.server import EngineServer
 from frontend_svc.config import FrontendConfig
-from frontend_svc.server import FrontendServer
+from frontend_svc.service.server import FrontendServer
 from tandem_common.tracing import ENDPOINT_VARIABLES
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tests.rpc.frontend_calls import generate, stub_of

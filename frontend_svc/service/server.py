@@ -19,13 +19,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from frontend_svc import servicer as generate
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_client import engine_credentials
-from frontend_svc.engine_router import EngineRouter
-from frontend_svc.malformed import MalformedRequestInterceptor
-from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.engine.client import engine_credentials
+from frontend_svc.engine.router import EngineRouter
+from frontend_svc.service import servicer as generate
+from frontend_svc.service.malformed import MalformedRequestInterceptor
+from frontend_svc.service.metrics import FrontendMetrics
+from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
 from tandem_common.tracing import setup_tracing
 
@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 TOKENIZER_RETRY_S = 1.0
-
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

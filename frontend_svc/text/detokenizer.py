@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.text.tokenizer import Tokenizer
 
 # Prompt tokens that seed the context window: enough for any decoder here (one token
 # suffices for SentencePiece spaces); more only makes the first decode longer.

@@ -1,9 +1,9 @@
-"""Streams to engines: one long-lived bidi Stream per engine, multiplexing requests by id.
+"""One engine's session: its channel and one long-lived bidi Stream that multiplexes requests by id.
 
-This is the only frontend module that knows the engine protocol's protobuf types; it
-hands plain dataclasses (``EngineOutput``, ``ModelInfo``, ``EngineLoad``) to the rest.
+Requests go out and outputs come back in plain values: convert.py turns them into and
+out of the engine protocol, and each request's outputs land on its RequestHandle.
 
-    EngineRouter (engine_router.py) ── picks by least outstanding work ──▶ EngineClient (one per address)
+    EngineRouter (router.py) ── picks by least outstanding work ──▶ EngineClient (one per address)
                                                          ├─ channel (keepalive, reconnect backoff)
     servicer ── add() ──▶ RequestHandle ◀── outputs ─────┤  Stream: Add/Abort in, steps out
              ── abort() ────────────────────────────────▶┘
@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import grpc
 
-from frontend_svc.engine_types import (
-    EngineError, EngineLoad, EngineOutput, EngineUnavailableError, ErrorCode, FinishReason, ModelInfo,
-    SamplingParams, TokenLogprob,
-)
+from frontend_svc.engine import convert
+from frontend_svc.engine.handle import RequestHandle
+from frontend_svc.engine.types import EngineLoad, EngineUnavailableError, ModelInfo
+from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -39,89 +39,6 @@ BACKOFF_CAP_S = 2.0
 RPC_TIMEOUT_S = 10.0
 LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other frontends' load)
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
-
-
-_FINISH = {
-    engine_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    engine_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    engine_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-    engine_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
-}
-_ERROR = {
-    engine_pb2.ERROR_CODE_INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
-    engine_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
-    engine_pb2.ERROR_CODE_UNAVAILABLE: ErrorCode.UNAVAILABLE,
-}
-
-
-class RequestHandle:
-    """The frontend's end of one engine request.
-
-    Outputs that arrive before the consumer reads are merged into one (so a slow
-    consumer gets one coalesced delta, not a growing queue). ``wakeup`` is set when the
-    reader should look: on the first output, the last one, an error, and whenever
-    ``stream_interval`` tokens are pending (every delivery at the default of 1). Several
-    handles may share one event so that a caller waits on all of them. Iterate
-    (``async for``) only when the event is not shared.
-    """
-
-    def __init__(
-        self, request_id: str, client: "EngineClient", wakeup: asyncio.Event | None, stream_interval: int = 1
-    ) -> None:
-        self.request_id = request_id
-        self.client = client
-        self.wakeup = wakeup or asyncio.Event()
-        self.finished = False  # the engine confirmed the end
-        self.aborted = False  # abort sent; outputs are dropped from now on
-        self.stream_interval = stream_interval
-        self._pending: EngineOutput | None = None
-        self._error: Exception | None = None
-        self._done = False
-        self._woken = False  # the reader has been woken at least once
-
-    def _deliver(self, out: EngineOutput) -> None:
-        if self.aborted:
-            return
-        if self._pending is None:
-            self._pending = out
-        else:
-            self._pending.merge(out)
-        pending = self._pending
-        if (
-            not self._woken
-            or pending.finished
-            or pending.error is not None
-            or len(pending.new_token_ids) >= self.stream_interval
-        ):
-            self._woken = True
-            self.wakeup.set()
-
-    def _fail(self, error: Exception) -> None:
-        self._error = error
-        self.wakeup.set()
-
-    def take(self) -> EngineOutput | None:
-        """Everything delivered since the last call, merged; None if nothing; raises on failure."""
-        out, self._pending = self._pending, None
-        if out is None and self._error is not None:
-            raise self._error
-        return out
-
-    def abort(self) -> None:
-        self.client.abort([self.request_id])
-
-    def __aiter__(self) -> "RequestHandle":
-        return self
-
-    async def __anext__(self) -> EngineOutput:
-        while not self._done:
-            out = self.take()
-            if out is not None:
-                self._done = out.finished
-                return out
-            self.wakeup.clear()
-            await self.wakeup.wait()
-        raise StopAsyncIteration
 
 
 class EngineClient:
@@ -226,7 +143,7 @@ class EngineClient:
     async def _session(self) -> str:
         stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
-        self.model_info = _model_info(info)
+        self.model_info = convert.model_info(info)
         outbox: asyncio.Queue = asyncio.Queue()
         call = stub.Stream(_drain(outbox))
         self._outbox = outbox
@@ -264,7 +181,7 @@ class EngineClient:
 
     def _set_load(self, load: engine_pb2.EngineLoad) -> None:
         was_draining = self.load.draining
-        self.load = _engine_load(load)
+        self.load = convert.engine_load(load)
         self._last_load_s = time.monotonic()
         if self.load.draining != was_draining:
             logger.info("engine %s %s", self.address, "is draining" if self.load.draining else "accepts requests again")
@@ -279,16 +196,15 @@ class EngineClient:
             if handle is None:
                 logger.debug("engine %s: output for unknown request %s dropped", self.address, o.request_id)
                 continue
-            out = _engine_output(o)
+            out = convert.engine_output(o)
             if out.finished:
                 del self._requests[o.request_id]
-                handle.finished = True
-            handle._deliver(out)
+            handle.deliver(out)
 
     def _fail_all(self, reason: str) -> None:
         requests, self._requests = self._requests, {}
         for handle in requests.values():
-            handle._fail(EngineUnavailableError(reason))
+            handle.fail(EngineUnavailableError(reason))
 
     # -- requests -------------------------------------------------------------------------
 
@@ -312,15 +228,10 @@ class EngineClient:
             raise ValueError(f"request id {request_id} is already in flight")
         handle = RequestHandle(request_id, self, wakeup, stream_interval)
         self._requests[request_id] = handle
-        add = engine_pb2.Add(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=_sampling_params(params),
-            priority=priority,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            trace_context=trace_context or {},
-        )
-        self._outbox.put_nowait(engine_pb2.StreamRequest(add=add))
+        self._outbox.put_nowait(convert.add_request(
+            request_id, prompt_token_ids, params, priority=priority,
+            arrival_time=time.time() if arrival_time is None else arrival_time, trace_context=trace_context or {},
+        ))
         return handle
 
     def abort(self, request_ids: list[str]) -> None:
@@ -337,7 +248,7 @@ class EngineClient:
                 ids.append(rid)
                 asyncio.get_running_loop().call_later(ABORT_CONFIRM_TIMEOUT_S, self._forget, handle)
         if ids and self._outbox is not None:
-            self._outbox.put_nowait(engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=ids)))
+            self._outbox.put_nowait(convert.abort_request(ids))
 
     def _forget(self, handle: RequestHandle) -> None:
         if self._requests.get(handle.request_id) is handle:
@@ -378,60 +289,3 @@ def engine_credentials(ca: str | None, cert: str | None, key: str | None) -> grp
         return None if path is None else open(path, "rb").read()
 
     return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
-
-
-# -- protobuf <-> plain --------------------------------------------------------------------
-
-
-def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
-    sp = engine_pb2.SamplingParams(
-        max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
-        top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logit_bias=p.logit_bias,
-    )
-    if p.seed is not None:
-        sp.seed = p.seed
-    if p.logprobs is not None:
-        sp.logprobs = p.logprobs
-    if p.prompt_logprobs is not None:
-        sp.prompt_logprobs = p.prompt_logprobs
-    return sp
-
-
-def _logprob(lp: engine_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
-
-
-def _engine_output(o: engine_pb2.RequestOutput) -> EngineOutput:
-    out = EngineOutput(o.request_id, list(o.new_token_ids), num_prompt_tokens=o.num_prompt_tokens,
-                       num_cached_tokens=o.num_cached_tokens)
-    # Most outputs are one decode token and nothing else: skip what is not there.
-    if o.logprobs:
-        out.logprobs = [_logprob(lp) for lp in o.logprobs]
-    if o.prompt_logprobs:
-        out.prompt_logprobs = [_logprob(lp) for lp in o.prompt_logprobs]
-    if o.finish_reason:
-        out.finish_reason = _FINISH.get(o.finish_reason)
-    if o.HasField("stop_token_id"):
-        out.stop_token_id = o.stop_token_id
-    if o.HasField("error"):
-        out.error = EngineError(_ERROR.get(o.error.code, ErrorCode.INTERNAL), o.error.message, o.error.field)
-    return out
-
-
-def _engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:
-    return EngineLoad(
-        num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
-        prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_used_blocks=load.num_used_blocks,
-        draining=load.draining,
-    )
-
-
-def _model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
-    return ModelInfo(
-        model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids),
-        bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
-        architecture=info.architecture, device=info.device,
-    )

@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from frontend_svc.detokenizer import IncrementalDetokenizer
-from frontend_svc.engine_types import EngineOutput, FinishReason, TokenLogprob
-from frontend_svc.stop_checker import StopChecker
-from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.engine.types import EngineOutput
+from frontend_svc.text.detokenizer import IncrementalDetokenizer
+from frontend_svc.text.stop_checker import StopChecker
+from frontend_svc.text.tokenizer import Tokenizer
+from tandem_common.types import FinishReason, Logprob
 
 
 @dataclass
@@ -96,7 +97,7 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
-    def logprob(self, lp: TokenLogprob) -> LogprobText:
+    def logprob(self, lp: Logprob) -> LogprobText:
         top = [TopLogprobText(t, self(t), v) for t, v in lp.top]
         return LogprobText(lp.token_id, self(lp.token_id), lp.logprob, lp.rank, top)
 

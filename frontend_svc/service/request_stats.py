@@ -18,9 +18,9 @@ import time
 
 import grpc
 
-from frontend_svc.metrics import FrontendMetrics
-from frontend_svc.output_processor import ChoiceOutput
-from frontend_svc.tracing import end_rpc_span, start_rpc_span, trace_context_of
+from frontend_svc.service.metrics import FrontendMetrics
+from frontend_svc.service.tracing import end_rpc_span, start_rpc_span, trace_context_of
+from frontend_svc.text.output_processor import ChoiceOutput
 
 logger = logging.getLogger(__name__)
 

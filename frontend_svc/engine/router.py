@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from frontend_svc.engine_client import EngineClient
-from frontend_svc.engine_types import EngineUnavailableError, ModelInfo
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.types import EngineUnavailableError, ModelInfo
 
 logger = logging.getLogger(__name__)
 

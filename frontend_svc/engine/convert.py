@@ -1,0 +1,98 @@
+"""The engine protocol (tandem.engine.v1) <-> the frontend's plain types, both ways.
+
+    SamplingParams, ids ── add_request() / abort_request() ──▶ StreamRequest   (to the engine)
+    RequestOutput  ── engine_output() ──▶ EngineOutput                         (from the engine)
+    EngineLoad, GetModelInfoResponse ── engine_load() / model_info() ──▶ EngineLoad, ModelInfo
+
+With the session in client.py (which opens the stubs) this is the only frontend code that
+knows the engine's protobuf types; everything past it sees plain dataclasses.
+"""
+
+from __future__ import annotations
+
+from frontend_svc.engine.types import EngineError, EngineLoad, EngineOutput, ModelInfo
+from tandem_common.sampling import SamplingParams
+from tandem_common.types import ErrorCode, FinishReason, Logprob
+from tandem_protos.tandem.engine.v1 import engine_pb2
+
+_FINISH = {
+    engine_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    engine_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    engine_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+    engine_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
+_ERROR = {
+    engine_pb2.ERROR_CODE_INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
+    engine_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
+    engine_pb2.ERROR_CODE_UNAVAILABLE: ErrorCode.UNAVAILABLE,
+}
+
+
+# -- to the engine -------------------------------------------------------------------------
+
+
+def add_request(
+    request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int,
+    arrival_time: float, trace_context: dict[str, str],
+) -> engine_pb2.StreamRequest:
+    add = engine_pb2.Add(
+        request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=_sampling_params(params),
+        priority=priority, arrival_time=arrival_time, trace_context=trace_context,
+    )
+    return engine_pb2.StreamRequest(add=add)
+
+
+def abort_request(request_ids: list[str]) -> engine_pb2.StreamRequest:
+    return engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=request_ids))
+
+
+def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
+    sp = engine_pb2.SamplingParams(
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
+        top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logit_bias=p.logit_bias,
+    )
+    if p.seed is not None:
+        sp.seed = p.seed
+    if p.logprobs is not None:
+        sp.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        sp.prompt_logprobs = p.prompt_logprobs
+    return sp
+
+
+# -- from the engine -----------------------------------------------------------------------
+
+
+def engine_output(o: engine_pb2.RequestOutput) -> EngineOutput:
+    out = EngineOutput(o.request_id, list(o.new_token_ids), num_prompt_tokens=o.num_prompt_tokens,
+                       num_cached_tokens=o.num_cached_tokens)
+    # Most outputs are one decode token and nothing else: skip what is not there.
+    if o.logprobs:
+        out.logprobs = [_logprob(lp) for lp in o.logprobs]
+    if o.prompt_logprobs:
+        out.prompt_logprobs = [_logprob(lp) for lp in o.prompt_logprobs]
+    if o.finish_reason:
+        out.finish_reason = _FINISH.get(o.finish_reason)
+    if o.HasField("stop_token_id"):
+        out.stop_token_id = o.stop_token_id
+    if o.HasField("error"):
+        out.error = EngineError(_ERROR.get(o.error.code, ErrorCode.INTERNAL), o.error.message, o.error.field)
+    return out
+
+
+def _logprob(lp: engine_pb2.TokenLogprob) -> Logprob:
+    return Logprob(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
+
+
+def engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:
+    return EngineLoad(num_running=load.num_running, num_waiting=load.num_waiting, draining=load.draining)
+
+
+def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
+    )

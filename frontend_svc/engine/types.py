@@ -1,0 +1,73 @@
+"""Plain types the engine client hands to the rest of the frontend (no protobuf here).
+
+The vocabulary both services share (SamplingParams, FinishReason, ErrorCode, Logprob)
+lives in tandem_common; these are the frontend's own: what one request produced, an
+engine's load, its model, and its in-band errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem_common.types import ErrorCode, FinishReason, Logprob
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """A request's in-band failure, as the engine reported it; ``field`` is "" when none is named."""
+
+    code: ErrorCode
+    message: str
+    field: str = ""
+
+
+class EngineUnavailableError(Exception):
+    """No engine can take the request, or the one serving it went away; safe to retry."""
+
+
+@dataclass
+class EngineOutput:
+    """What one request produced in one or more engine steps (merged while unread)."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, later: "EngineOutput") -> None:
+        self.new_token_ids.extend(later.new_token_ids)
+        self.logprobs.extend(later.logprobs)
+        self.prompt_logprobs.extend(later.prompt_logprobs)
+        self.num_prompt_tokens = max(self.num_prompt_tokens, later.num_prompt_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        if later.finished:
+            self.finish_reason, self.stop_token_id, self.error = later.finish_reason, later.stop_token_id, later.error
+
+
+@dataclass
+class EngineLoad:
+    """What routing reads of an engine's reported load."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    draining: bool = False
+
+
+@dataclass
+class ModelInfo:
+    """The model an engine serves, as its GetModelInfo tells."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None

@@ -1,0 +1,113 @@
+"""The public API (tandem.generate.v1) <-> plain values, both ways.
+
+    GenerateRequest ── generate_input() ──▶ GenerateInput        (then planning.plan_generate)
+    ChatMessages    ── chat() ──▶ Chat                            (Generate and Tokenize)
+    ChoiceOutput    ── generate_response() ──▶ GenerateResponse   (one per streamed piece)
+    ModelInfo       ── model_info_response() ──▶ GetModelInfoResponse
+
+With the servicer this is the only frontend code that knows the public protobuf types.
+Fields whose "unset" differs from zero are read with HasField, so an unset field gets
+its documented default, never zero.
+"""
+
+from __future__ import annotations
+
+from frontend_svc.engine.types import ModelInfo
+from frontend_svc.service.planning import Chat, GenerateInput
+from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
+from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from tandem_common.types import FinishReason
+from tandem_protos.tandem.generate.v1 import generate_pb2
+
+_FINISH = {
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: generate_pb2.FINISH_REASON_ERROR,
+}
+
+
+# -- requests in ---------------------------------------------------------------------------
+
+
+def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
+    sp = request.sampling_params
+    which = request.WhichOneof("input")
+    params = SamplingParams(
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        min_tokens=sp.min_tokens,
+        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+        logit_bias=dict(sp.logit_bias),
+    )
+    return GenerateInput(
+        input=which,
+        text=request.text,
+        token_ids=list(request.token_ids.ids) if which == "token_ids" else [],
+        chat=chat(request.messages) if which == "messages" else None,
+        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else True,
+        params=params,
+        max_tokens_set=sp.HasField("max_tokens"),
+        n=sp.n if sp.HasField("n") else 1,
+        stop=list(sp.stop),
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+        return_token_ids=request.return_token_ids,
+        priority=request.priority,
+    )
+
+
+def chat(messages: generate_pb2.ChatMessages) -> Chat:
+    return Chat(
+        [{"role": m.role, "content": m.content} for m in messages.messages],
+        messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True,
+    )
+
+
+# -- responses out -------------------------------------------------------------------------
+
+
+def generate_response(piece: ChoiceOutput, return_token_ids: bool) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(index=piece.index, text=piece.text)
+    # Sent once per token per stream: fields that are empty are not touched at all.
+    if return_token_ids and piece.token_ids:
+        response.token_ids.extend(piece.token_ids)
+    if piece.logprobs:
+        response.logprobs.extend(_logprob(lp) for lp in piece.logprobs)
+    if piece.prompt_logprobs:
+        response.prompt_logprobs.extend(_logprob(lp) for lp in piece.prompt_logprobs)
+    if piece.finish_reason is not None:
+        response.finish_reason = _FINISH[piece.finish_reason]
+        if piece.stop_str is not None:
+            response.stop_str = piece.stop_str
+        elif piece.stop_token_id is not None:
+            response.stop_token_id = piece.stop_token_id
+        u = piece.usage
+        response.usage.CopyFrom(generate_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens))
+    return response
+
+
+def _logprob(lp: LogprobText) -> generate_pb2.Logprob:
+    return generate_pb2.Logprob(
+        token_id=lp.token_id, token=lp.token, logprob=lp.logprob, rank=lp.rank,
+        top=[generate_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in lp.top],
+    )
+
+
+def model_info_response(info: ModelInfo, *, has_chat_template: bool, num_engines: int
+                        ) -> generate_pb2.GetModelInfoResponse:
+    response = generate_pb2.GetModelInfoResponse(
+        model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids, has_chat_template=has_chat_template, num_engines=num_engines,
+    )
+    if info.bos_token_id is not None:
+        response.bos_token_id = info.bos_token_id
+    return response
