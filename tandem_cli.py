@@ -9,24 +9,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
-import time
+from pathlib import Path
 
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+from tandem_common.ready import wait_ready_file
 
 
 class Service:
-    """A child service process whose log lines are echoed and watched for its port."""
+    """A child service process whose log lines are echoed; its port and state come from
+    its ``--ready-file`` (tandem_common/ready.py)."""
 
     def __init__(self, name: str, argv: list[str], echo: bool) -> None:
         self.name = name
         self.port: int | None = None
+        self._ready_dir = tempfile.TemporaryDirectory(prefix=f"tandem-{name}-")
+        self.ready_file = Path(self._ready_dir.name) / "ready.json"
         self.proc = subprocess.Popen(
-            argv,
+            [*argv, "--ready-file", str(self.ready_file)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -40,18 +43,13 @@ class Service:
         for line in self.proc.stderr:
             if self._echo:
                 sys.stderr.write(f"[{self.name}] {line}")
-            m = _LISTENING.search(line)
-            if m and self.port is None:
-                self.port = int(m.group(2))
 
-    def wait_port(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while self.port is None:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited with code {self.proc.returncode} before listening")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{self.name} did not start listening within {timeout:.0f} s")
-            time.sleep(0.05)
+    def wait(self, state: str, timeout: float) -> int:
+        """Wait until the service is ``state`` ("listening" or "serving"); returns its port."""
+        try:
+            self.port = wait_ready_file(self.ready_file, self.proc, state=state, timeout=timeout)["port"]
+        except (RuntimeError, TimeoutError) as e:
+            raise SystemExit(f"{self.name}: {e}") from None
         return self.port
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -62,6 +60,7 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._ready_dir.cleanup()
 
 
 def _start_pair(args, engine_port: int, frontend_port: int, echo: bool) -> tuple[Service, Service]:
@@ -82,7 +81,7 @@ def _start_pair(args, engine_port: int, frontend_port: int, echo: bool) -> tuple
         engine_argv += ["--model", args.model]
     engine = Service("engine", engine_argv + list(args.engine_arg), echo)
     try:
-        port = engine.wait_port(120)
+        port = engine.wait("listening", 120)
         frontend = Service(
             "frontend",
             [
@@ -99,31 +98,11 @@ def _start_pair(args, engine_port: int, frontend_port: int, echo: bool) -> tuple
             ],
             echo,
         )
-        frontend.wait_port(120)
+        frontend.wait("listening", 120)
     except BaseException:
         engine.stop()
         raise
     return engine, frontend
-
-
-def _wait_serving(address: str, timeout: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise SystemExit(f"the frontend at {address} did not become SERVING within {timeout:.0f} s")
 
 
 def _stream_completion(address: str, prompt: str, max_tokens: int) -> None:
@@ -155,7 +134,7 @@ def cmd_serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        _wait_serving(address, 300)
+        frontend.wait("serving", 300)
         print(f"Tandem is serving on {address} (engine on {args.host}:{engine.port}); Ctrl-C stops both.", flush=True)
         print(
             f'Try: grpcurl -plaintext -d \'{{"text": "Hello"}}\' {address} tandem.generate.v1.GenerateService/Generate',
@@ -173,7 +152,7 @@ def cmd_try(args) -> int:
     engine, frontend = _start_pair(args, 0, 0, echo=args.verbose)
     try:
         address = f"{args.host}:{frontend.port}"
-        _wait_serving(address, 300)
+        frontend.wait("serving", 300)
         _stream_completion(address, args.prompt, args.max_tokens)
     finally:
         frontend.stop()

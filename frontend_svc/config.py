@@ -29,12 +29,13 @@ class FrontendConfig:
     api_keys: list[str] = field(default_factory=list)
     api_key_file: str | None = None
     metrics_port: int = 0
+    ready_file: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
     otlp_endpoint: str | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "FrontendConfig":
+    def from_args(cls, args: argparse.Namespace) -> FrontendConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         values["engines"] = list(values.get("engines") or [])
         values["api_keys"] = list(values.get("api_keys") or [])
@@ -86,47 +87,85 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     e = p.add_argument_group("engines")
-    e.add_argument("--engine", dest="engines", action="append", default=None, metavar="HOST:PORT",
-                   help="engine address; repeat for several engines. dns:///NAME:PORT uses every "
-                   "address NAME resolves to (e.g. a Kubernetes headless Service)")
-    e.add_argument("--dns-refresh-s", type=float, default=d.dns_refresh_s,
-                   help="seconds between re-resolutions of dns:/// engine names")
+    e.add_argument(
+        "--engine",
+        dest="engines",
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="engine address; repeat for several engines. dns:///NAME:PORT uses every "
+        "address NAME resolves to (e.g. a Kubernetes headless Service)",
+    )
+    e.add_argument(
+        "--dns-refresh-s",
+        type=float,
+        default=d.dns_refresh_s,
+        help="seconds between re-resolutions of dns:/// engine names",
+    )
     e.add_argument("--engine-tls-ca", default=None, help="CA (PEM) that engine certificates must chain to; enables TLS")
     e.add_argument("--engine-tls-cert", default=None, help="client certificate (PEM) shown to engines (mutual TLS)")
     e.add_argument("--engine-tls-key", default=None, help="client private key (PEM) for --engine-tls-cert")
 
     t = p.add_argument_group("model")
-    t.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="local tokenizer directory; default: fetched from an engine (GetTokenizer), "
-                   "each file checked against its sha256")
+    t.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="local tokenizer directory; default: fetched from an engine (GetTokenizer), "
+        "each file checked against its sha256",
+    )
 
     n = p.add_argument_group("server")
     n.add_argument("--host", default=d.host, help="address to listen on")
     n.add_argument("--port", type=int, default=d.port, help="gRPC port (0 picks a free one)")
     n.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
-    n.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                   help="seconds in-flight calls may take to finish after SIGTERM")
+    n.add_argument(
+        "--ready-file",
+        default=None,
+        metavar="PATH",
+        help="write the port and state (listening; serving while health is SERVING) here as JSON; removed on "
+        "exit. For tools that start the frontend, e.g. with --port 0 (see tandem_common/ready.py)",
+    )
+    n.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout,
+        help="seconds in-flight calls may take to finish after SIGTERM",
+    )
     n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
     n.add_argument("--tls-key", default=None, help="server private key (PEM)")
-    n.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
-                   help="accepted API key (repeatable); clients send 'authorization: Bearer KEY'. "
-                   "No key given: no authentication")
+    n.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="accepted API key (repeatable); clients send 'authorization: Bearer KEY'. No key given: no authentication",
+    )
     n.add_argument("--api-key-file", default=None, metavar="FILE", help="file with one accepted API key per line")
 
     r = p.add_argument_group("request limits")
     r.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most stop strings per request")
     r.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
-    r.add_argument("--stream-interval", type=int, default=d.stream_interval, metavar="N",
-                   help="send a streamed choice its new text once N tokens have arrived (the first token "
-                   "and the end are sent at once); above 1 this trades inter-token latency for fewer "
-                   "messages and less frontend CPU per token")
+    r.add_argument(
+        "--stream-interval",
+        type=int,
+        default=d.stream_interval,
+        metavar="N",
+        help="send a streamed choice its new text once N tokens have arrived (the first token "
+        "and the end are sent at once); above 1 this trades inter-token latency for fewer "
+        "messages and less frontend CPU per token",
+    )
 
     o = p.add_argument_group("observability")
     o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")
     o.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ERROR")
     o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
-    o.add_argument("--otlp-endpoint", default=None,
-                   help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
-                   "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
-                   "tracing is off when none is set")
+    o.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
+        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+        "tracing is off when none is set",
+    )
     return p

@@ -117,9 +117,9 @@ def make_model_dir(
         total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         save_kwargs["max_shard_size"] = max(1, total_bytes // shards)
     model.save_pretrained(path, **save_kwargs)
-    transformers.GenerationConfig(
-        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0
-    ).save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=0).save_pretrained(
+        path
+    )
     logger.info("built %s model at %s", arch, path)
     return path
 

@@ -1,12 +1,16 @@
-"""Start real Tandem services as subprocesses on 127.0.0.1 for tests, and always stop them."""
+"""Start real Tandem services as subprocesses on 127.0.0.1 for tests, and always stop them.
+
+Each service is started with ``--port 0 --ready-file PATH``: its port and state come from
+that file (tandem_common/ready.py), never from its log.
+"""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -15,8 +19,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem_common.ready import read_ready_file
+
 ROOT = Path(__file__).resolve().parent.parent
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 class ServiceProcess:
@@ -25,13 +30,20 @@ class ServiceProcess:
     def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None) -> None:
         self.module = module
         self.args = args
-        self.port: int | None = None
+        self._port: int | None = None
         self._lines: list[str] = []
+        self._ready_dir = tempfile.TemporaryDirectory(prefix="tandem-ready-")
+        self.ready_file = Path(self._ready_dir.name) / "ready.json"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--host", "127.0.0.1", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1, env=full_env, cwd=ROOT,
+            [sys.executable, "-m", module, "--host", "127.0.0.1", "--ready-file", str(self.ready_file), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=full_env,
+            cwd=ROOT,
         )
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
@@ -39,46 +51,52 @@ class ServiceProcess:
     def _pump(self) -> None:
         for line in self.proc.stderr:
             self._lines.append(line)
-            m = _LISTENING.search(line)
-            if m and self.port is None:
-                self.port = int(m.group(2))
 
     def log(self) -> str:
         return "".join(self._lines)
 
     @property
+    def port(self) -> int:
+        """The service's port; waits for it to listen if it does not yet."""
+        if self._port is None:
+            self._wait_state("listening", 60.0)
+        assert self._port is not None
+        return self._port
+
+    @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def wait_listening(self, timeout: float = 60.0) -> "ServiceProcess":
+    def _wait_state(self, state: str, timeout: float) -> None:
+        """Until the ready file says ``state`` ("listening" is also met by "serving")."""
         deadline = time.monotonic() + timeout
-        while self.port is None:
+        while (info := read_ready_file(self.ready_file)) is None or state not in ("listening", info["state"]):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited ({self.proc.returncode}) before listening:\n{self.log()}")
+                raise RuntimeError(f"{self.module} exited ({self.proc.returncode}) before {state}:\n{self.log()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.module} did not listen within {timeout} s:\n{self.log()}")
+                raise TimeoutError(f"{self.module} not {state} within {timeout} s:\n{self.log()}")
             time.sleep(0.02)
+        self._port = info["port"]
+
+    def wait_listening(self, timeout: float = 60.0) -> ServiceProcess:
+        if self._port is None:
+            self._wait_state("listening", timeout)
+        return self
+
+    def wait_serving(self, timeout: float = 120.0) -> ServiceProcess:
+        self._wait_state("serving", timeout)
         return self
 
     def health(self, service: str = "") -> int | None:
         with grpc.insecure_channel(self.address) as channel:
             try:
-                return health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=service), timeout=2
-                ).status
+                return (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                    .status
+                )
             except grpc.RpcError:
                 return None
-
-    def wait_serving(self, timeout: float = 120.0) -> "ServiceProcess":
-        self.wait_listening(timeout)
-        deadline = time.monotonic() + timeout
-        while self.health() != health_pb2.HealthCheckResponse.SERVING:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited ({self.proc.returncode}):\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.module} not SERVING within {timeout} s:\n{self.log()}")
-            time.sleep(0.05)
-        return self
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait; SIGKILL if it does not exit. Returns the exit code."""
@@ -90,6 +108,7 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._pump_thread.join(timeout=5)
+        self._ready_dir.cleanup()
         return self.proc.returncode
 
     def kill(self) -> None:

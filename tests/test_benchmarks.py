@@ -28,9 +28,23 @@ def _holes(value, path: str = "") -> list[str]:
 
 
 ENTRY_KEYS = {
-    "rate", "num_requests", "num_completed", "errors", "wall_s", "num_prompt_tokens", "num_output_tokens",
-    "req_per_s", "output_tok_per_s", "total_tok_per_s", "arrival_req_per_s", "completion_req_per_s", "saturated",
-    "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms",
+    "rate",
+    "num_requests",
+    "num_completed",
+    "errors",
+    "wall_s",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "req_per_s",
+    "output_tok_per_s",
+    "total_tok_per_s",
+    "arrival_req_per_s",
+    "completion_req_per_s",
+    "saturated",
+    "ttft_ms",
+    "itl_ms",
+    "tpot_ms",
+    "e2e_ms",
 }
 SMALL = ["--synthetic", "--num-requests", "6", "--prompt-len", "4:24", "--output-len", "2:5", "--seed", "3"]
 
@@ -47,9 +61,25 @@ def _check_entry(entry: dict, num_requests: int) -> None:
 def test_serve_rate_sweep_against_a_running_pair(pair, tmp_path, capsys):
     engine, frontend = pair
     out, png = tmp_path / "serve.json", tmp_path / "sweep.png"
-    rc = serve.main(["--target", frontend.address, *SMALL, "--rate", "8,inf", "--max-concurrency", "4",
-                     "--frontend-pid", str(frontend.proc.pid), "--engine-pid", str(engine.proc.pid),
-                     "--json", str(out), "--plot", str(png)])
+    rc = serve.main(
+        [
+            "--target",
+            frontend.address,
+            *SMALL,
+            "--rate",
+            "8,inf",
+            "--max-concurrency",
+            "4",
+            "--frontend-pid",
+            str(frontend.proc.pid),
+            "--engine-pid",
+            str(engine.proc.pid),
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert [e["rate"] for e in report["results"]] == [8.0, "inf"]
@@ -64,8 +94,18 @@ def test_serve_rate_sweep_against_a_running_pair(pair, tmp_path, capsys):
 
 def test_serve_launch_with_inprocess_comparison(tmp_path):
     out, png = tmp_path / "serve.json", tmp_path / "cdf.png"
-    rc = serve.main(["--launch", "--engine-arg=--num-kv-blocks 256", *SMALL, "--compare-inprocess",
-                     "--json", str(out), "--plot", str(png)])
+    rc = serve.main(
+        [
+            "--launch",
+            "--engine-arg=--num-kv-blocks 256",
+            *SMALL,
+            "--compare-inprocess",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     (entry,) = report["results"]
@@ -83,8 +123,23 @@ def test_offline_engine_figures(demo_model_dir, tmp_path):
     path = tmp_path / "tiny.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in workload))
     out = tmp_path / "offline.json"
-    assert offline.main(["--model", str(demo_model_dir), "--workload", str(path), "--baseline", "none",
-                         "--kv-cache-bytes", str(16 << 20), "--json", str(out)]) == 0
+    assert (
+        offline.main(
+            [
+                "--model",
+                str(demo_model_dir),
+                "--workload",
+                str(path),
+                "--baseline",
+                "none",
+                "--kv-cache-bytes",
+                str(16 << 20),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     figures = json.loads(out.read_text())["engine"]
     assert {"output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"} <= figures.keys()
     assert figures["num_output_tokens"] == sum(r["max_tokens"] for r in workload)

@@ -44,8 +44,11 @@ def test_generated_code_is_current(tmp_path):
     out = tmp_path / "tandem_protos"
     subprocess.run([sys.executable, str(ROOT / "tools" / "gen_protos.py"), "--out", str(out)], check=True)
     fresh = {p.relative_to(out): p for p in out.rglob("*") if p.is_file()}
-    committed = {p.relative_to(ROOT / "tandem_protos"): p for p in (ROOT / "tandem_protos").rglob("*")
-                 if p.is_file() and "__pycache__" not in p.parts}
+    committed = {
+        p.relative_to(ROOT / "tandem_protos"): p
+        for p in (ROOT / "tandem_protos").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     assert set(fresh) == set(committed), "run `python tools/gen_protos.py` and commit tandem_protos/"
     stale = [str(rel) for rel, p in fresh.items() if _normalised(p) != _normalised(committed[rel])]
     assert not stale, f"generated code is out of date ({stale}): run `python tools/gen_protos.py`"

@@ -149,8 +149,12 @@ class EngineClient:
         self._outbox = outbox
         self.load = EngineLoad()
         self._set_connected(True)
-        logger.info("engine %s connected: model %s, max_model_len %d",
-                    self.address, self.model_info.model_name, self.model_info.max_model_len)
+        logger.info(
+            "engine %s connected: model %s, max_model_len %d",
+            self.address,
+            self.model_info.model_name,
+            self.model_info.max_model_len,
+        )
         poller = asyncio.create_task(self._poll_load(stub))
         try:
             async for response in call:
@@ -228,10 +232,16 @@ class EngineClient:
             raise ValueError(f"request id {request_id} is already in flight")
         handle = RequestHandle(request_id, self, wakeup, stream_interval)
         self._requests[request_id] = handle
-        self._outbox.put_nowait(convert.add_request(
-            request_id, prompt_token_ids, params, priority=priority,
-            arrival_time=time.time() if arrival_time is None else arrival_time, trace_context=trace_context or {},
-        ))
+        self._outbox.put_nowait(
+            convert.add_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority=priority,
+                arrival_time=time.time() if arrival_time is None else arrival_time,
+                trace_context=trace_context or {},
+            )
+        )
         return handle
 
     def abort(self, request_ids: list[str]) -> None:

@@ -32,12 +32,21 @@ _ERROR = {
 
 
 def add_request(
-    request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int,
-    arrival_time: float, trace_context: dict[str, str],
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    priority: int,
+    arrival_time: float,
+    trace_context: dict[str, str],
 ) -> engine_pb2.StreamRequest:
     add = engine_pb2.Add(
-        request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=_sampling_params(params),
-        priority=priority, arrival_time=arrival_time, trace_context=trace_context,
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=_sampling_params(params),
+        priority=priority,
+        arrival_time=arrival_time,
+        trace_context=trace_context,
     )
     return engine_pb2.StreamRequest(add=add)
 
@@ -48,10 +57,18 @@ def abort_request(request_ids: list[str]) -> engine_pb2.StreamRequest:
 
 def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
     sp = engine_pb2.SamplingParams(
-        max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
-        top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, logit_bias=p.logit_bias,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+        logit_bias=p.logit_bias,
     )
     if p.seed is not None:
         sp.seed = p.seed
@@ -66,8 +83,12 @@ def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
 
 
 def engine_output(o: engine_pb2.RequestOutput) -> EngineOutput:
-    out = EngineOutput(o.request_id, list(o.new_token_ids), num_prompt_tokens=o.num_prompt_tokens,
-                       num_cached_tokens=o.num_cached_tokens)
+    out = EngineOutput(
+        o.request_id,
+        list(o.new_token_ids),
+        num_prompt_tokens=o.num_prompt_tokens,
+        num_cached_tokens=o.num_cached_tokens,
+    )
     # Most outputs are one decode token and nothing else: skip what is not there.
     if o.logprobs:
         out.logprobs = [_logprob(lp) for lp in o.logprobs]
@@ -92,7 +113,9 @@ def engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:
 
 def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(
-        model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        model_name=info.model_name,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids),
         bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
     )

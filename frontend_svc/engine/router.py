@@ -111,8 +111,11 @@ class EngineRouter:
 
     def _add_client(self, address: str, tls_server_name: str | None) -> None:
         client = EngineClient(
-            address, credentials=self._credentials, tls_server_name=tls_server_name,
-            max_message_bytes=self._max_message_bytes, on_change=self._changed,
+            address,
+            credentials=self._credentials,
+            tls_server_name=tls_server_name,
+            max_message_bytes=self._max_message_bytes,
+            on_change=self._changed,
         )
         self._clients[address] = client
         client.start()
@@ -132,8 +135,9 @@ class EngineRouter:
                 resolved[(name, port)] = {_join_host_port(info[4][0], port) for info in infos}
             except OSError as e:
                 resolved[(name, port)] = self._resolved.get((name, port), set())
-                logger.warning("cannot resolve %s: %s; keeping its %d known engines",
-                               name, e, len(resolved[(name, port)]))
+                logger.warning(
+                    "cannot resolve %s: %s; keeping its %d known engines", name, e, len(resolved[(name, port)])
+                )
         self._resolved = resolved
         wanted = {a: None for a in self._static}
         for (name, _), addresses in self._resolved.items():
@@ -147,8 +151,9 @@ class EngineRouter:
                 client.retiring = False
         for address, client in list(self._clients.items()):
             if address not in wanted and not client.retiring:
-                logger.info("engine %s vanished from DNS; closing it once its %d requests end",
-                            address, client.num_outstanding)
+                logger.info(
+                    "engine %s vanished from DNS; closing it once its %d requests end", address, client.num_outstanding
+                )
                 client.retiring = True
                 task = asyncio.create_task(self._retire(client))
                 self._retire_tasks.add(task)
@@ -165,7 +170,7 @@ class EngineRouter:
 
 def parse_dns_target(target: str) -> tuple[str, int]:
     """``dns:///NAME:PORT`` (or ``dns://AUTHORITY/NAME:PORT``) -> (NAME, PORT)."""
-    rest = target[len("dns:"):]
+    rest = target[len("dns:") :]
     if rest.startswith("//"):
         rest = rest[2:].partition("/")[2]
     host, sep, port = rest.rpartition(":")

@@ -43,7 +43,7 @@ class EngineOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def merge(self, later: "EngineOutput") -> None:
+    def merge(self, later: EngineOutput) -> None:
         self.new_token_ids.extend(later.new_token_ids)
         self.logprobs.extend(later.logprobs)
         self.prompt_logprobs.extend(later.prompt_logprobs)

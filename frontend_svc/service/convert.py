@@ -38,11 +38,14 @@ def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         min_tokens=sp.min_tokens,
         temperature=sp.temperature if sp.HasField("temperature") else 1.0,
         top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
         seed=sp.seed if sp.HasField("seed") else None,
-        stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         logit_bias=dict(sp.logit_bias),
@@ -90,23 +93,34 @@ def generate_response(piece: ChoiceOutput, return_token_ids: bool) -> generate_p
         elif piece.stop_token_id is not None:
             response.stop_token_id = piece.stop_token_id
         u = piece.usage
-        response.usage.CopyFrom(generate_pb2.Usage(
-            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens))
+        response.usage.CopyFrom(
+            generate_pb2.Usage(
+                prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens
+            )
+        )
     return response
 
 
 def _logprob(lp: LogprobText) -> generate_pb2.Logprob:
     return generate_pb2.Logprob(
-        token_id=lp.token_id, token=lp.token, logprob=lp.logprob, rank=lp.rank,
+        token_id=lp.token_id,
+        token=lp.token,
+        logprob=lp.logprob,
+        rank=lp.rank,
         top=[generate_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in lp.top],
     )
 
 
-def model_info_response(info: ModelInfo, *, has_chat_template: bool, num_engines: int
-                        ) -> generate_pb2.GetModelInfoResponse:
+def model_info_response(
+    info: ModelInfo, *, has_chat_template: bool, num_engines: int
+) -> generate_pb2.GetModelInfoResponse:
     response = generate_pb2.GetModelInfoResponse(
-        model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids, has_chat_template=has_chat_template, num_engines=num_engines,
+        model_name=info.model_name,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        has_chat_template=has_chat_template,
+        num_engines=num_engines,
     )
     if info.bos_token_id is not None:
         response.bos_token_id = info.bos_token_id

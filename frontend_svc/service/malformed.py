@@ -37,8 +37,9 @@ def _lenient(deserializer):
 
 async def _refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
     logger.info("refused a request that could not be parsed: %s", request.error)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request could not be parsed as a protobuf message: {request.error}")
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT, f"the request could not be parsed as a protobuf message: {request.error}"
+    )
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
@@ -47,8 +48,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if (handler is None or handler.request_streaming or handler.request_deserializer is None
-                or not details.method.startswith(self._prefix)):
+        if (
+            handler is None
+            or handler.request_streaming
+            or handler.request_deserializer is None
+            or not details.method.startswith(self._prefix)
+        ):
             return handler
         parse = _lenient(handler.request_deserializer)
         if handler.response_streaming:
@@ -61,7 +66,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=parse, response_serializer=handler.response_serializer)
+                unary_stream, request_deserializer=parse, response_serializer=handler.response_serializer
+            )
         inner = handler.unary_unary
 
         async def unary_unary(request, context):
@@ -70,4 +76,5 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=parse, response_serializer=handler.response_serializer)
+            unary_unary, request_deserializer=parse, response_serializer=handler.response_serializer
+        )

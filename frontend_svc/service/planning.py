@@ -96,23 +96,33 @@ def plan_generate(
     if not prompt:
         raise invalid(which, "the prompt is empty after tokenization")
     if len(prompt) >= info.max_model_len:
-        raise invalid(which, f"the prompt has {len(prompt)} tokens but the model's context is "
-                      f"{info.max_model_len} tokens; shorten it to at most {info.max_model_len - 1}")
+        raise invalid(
+            which,
+            f"the prompt has {len(prompt)} tokens but the model's context is "
+            f"{info.max_model_len} tokens; shorten it to at most {info.max_model_len - 1}",
+        )
 
     params = request.params
     room = info.max_model_len - len(prompt)
     if not request.max_tokens_set:
         params = replace(params, max_tokens=min(params.max_tokens, room))
     elif len(prompt) + params.max_tokens > info.max_model_len:  # below 1: check_sampling_params says so
-        raise invalid("sampling_params.max_tokens", (
-            f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, together "
-            f"{len(prompt) + params.max_tokens}, more than the model's context of {info.max_model_len} "
-            f"tokens; ask for at most {room}"))
+        raise invalid(
+            "sampling_params.max_tokens",
+            (
+                f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_tokens}, together "
+                f"{len(prompt) + params.max_tokens}, more than the model's context of {info.max_model_len} "
+                f"tokens; ask for at most {room}"
+            ),
+        )
     check_params(params, request.n, request.stop, info.vocab_size, max_n=max_n, max_stop_strings=max_stop_strings)
     text = TextParams(
-        stop=list(request.stop), include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens, min_tokens=params.min_tokens,
-        return_token_ids=request.return_token_ids, prompt_logprobs=params.prompt_logprobs is not None,
+        stop=list(request.stop),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+        min_tokens=params.min_tokens,
+        return_token_ids=request.return_token_ids,
+        prompt_logprobs=params.prompt_logprobs is not None,
     )
     return Plan(prompt, request.n, params, text, request.priority)
 
@@ -132,8 +142,9 @@ def _prompt(request: GenerateInput, tokenizer: Tokenizer, vocab_size: int) -> li
     return render_chat(request.chat, tokenizer)
 
 
-def check_params(p: SamplingParams, n: int, stop: list[str], vocab_size: int, *,
-                 max_n: int, max_stop_strings: int) -> None:
+def check_params(
+    p: SamplingParams, n: int, stop: list[str], vocab_size: int, *, max_n: int, max_stop_strings: int
+) -> None:
     """n, then the limits both services share (tandem_common.sampling), then the stop strings."""
     if not 1 <= n <= max_n:
         raise invalid("sampling_params.n", f"must be in [1, {max_n}], got {n}")

@@ -105,20 +105,26 @@ class GenerateStats:
             m.request_generation_tokens.observe(self.num_completion_tokens)
         finish_reason = ",".join(self.finish_reasons)
         fields = {
-            "request_id": self.request_id or "-", "engine": self.engine or "-", "code": code.name,
-            "prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens,
+            "request_id": self.request_id or "-",
+            "engine": self.engine or "-",
+            "code": code.name,
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
             "cached_tokens": self.num_cached_tokens,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
-            "total_s": round(total_s, 6), "finish_reason": finish_reason or None,
+            "total_s": round(total_s, 6),
+            "finish_reason": finish_reason or None,
         }
         if message:
             fields["error"] = message
         if self.span is not None:
-            self.span.set_attributes({
-                "gen_ai.usage.output_tokens": self.num_completion_tokens,
-                "gen_ai.usage.cache_read.input_tokens": self.num_cached_tokens,
-                "gen_ai.response.finish_reasons": self.finish_reasons,
-            })
+            self.span.set_attributes(
+                {
+                    "gen_ai.usage.output_tokens": self.num_completion_tokens,
+                    "gen_ai.usage.cache_read.input_tokens": self.num_cached_tokens,
+                    "gen_ai.response.finish_reasons": self.finish_reasons,
+                }
+            )
             if self.request_id:
                 self.span.set_attribute("tandem.request_id", self.request_id)
             fields["trace_id"] = format(self.span.get_span_context().trace_id, "032x")
@@ -126,7 +132,16 @@ class GenerateStats:
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s:.3f}s"
         logger.info(
             "Generate %s %s: engine=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d ttft=%s "
-            "total=%.3fs finish_reason=%s%s", fields["request_id"], code.name, fields["engine"],
-            self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens, ttft, total_s,
-            finish_reason or "-", f" error={message!r}" if message else "", extra=fields,
+            "total=%.3fs finish_reason=%s%s",
+            fields["request_id"],
+            code.name,
+            fields["engine"],
+            self.num_prompt_tokens,
+            self.num_completion_tokens,
+            self.num_cached_tokens,
+            ttft,
+            total_s,
+            finish_reason or "-",
+            f" error={message!r}" if message else "",
+            extra=fields,
         )

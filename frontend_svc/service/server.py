@@ -27,6 +27,7 @@ from frontend_svc.service.malformed import MalformedRequestInterceptor
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
+from tandem_common.ready import remove_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def _authorized(self, metadata) -> bool:
         for key, value in metadata or ():
             if key == "authorization" and value.lower().startswith("bearer "):
-                value = value[len("bearer "):].strip()
+                value = value[len("bearer ") :].strip()
             elif key != "x-api-key":
                 continue
             if any(hmac.compare_digest(value.encode(), k) for k in self._keys):
@@ -64,8 +65,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "a valid API key is required: send metadata 'authorization: Bearer KEY'")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid API key is required: send metadata 'authorization: Bearer KEY'",
+            )
 
         kind = (handler.request_streaming, handler.response_streaming)
         make = {
@@ -74,8 +77,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[kind]
-        return make(deny, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return make(
+            deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 class FrontendServer:
@@ -85,15 +89,21 @@ class FrontendServer:
         if config.engine_tls:
             credentials = engine_credentials(config.engine_tls_ca, config.engine_tls_cert, config.engine_tls_key)
         self.router = EngineRouter(
-            config.engines, dns_refresh_s=config.dns_refresh_s, credentials=credentials,
+            config.engines,
+            dns_refresh_s=config.dns_refresh_s,
+            credentials=credentials,
             max_message_bytes=config.max_message_bytes,
         )
         self.metrics = FrontendMetrics()
         self.tracer_provider = setup_tracing("tandem-frontend", config.otlp_endpoint)  # None: tracing off
         tracer = self.tracer_provider.get_tracer("frontend_svc") if self.tracer_provider is not None else None
         self.servicer = generate.GenerateServiceServicer(
-            self.router, max_n=config.max_n, max_stop_strings=config.max_stop_strings,
-            stream_interval=config.stream_interval, metrics=self.metrics, tracer=tracer,
+            self.router,
+            max_n=config.max_n,
+            max_stop_strings=config.max_stop_strings,
+            stream_interval=config.stream_interval,
+            metrics=self.metrics,
+            tracer=tracer,
         )
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -112,8 +122,10 @@ class FrontendServer:
         except OSError as e:
             raise SystemExit(f"cannot read --api-key-file: {e}") from e
         if cfg.api_key_file and len(keys) == len(cfg.api_keys):  # an empty key file must not open the API
-            raise SystemExit(f"--api-key-file {cfg.api_key_file} holds no key (one per line); "
-                             "refusing to start without the authentication it asks for")
+            raise SystemExit(
+                f"--api-key-file {cfg.api_key_file} holds no key (one per line); "
+                "refusing to start without the authentication it asks for"
+            )
         # The key check runs first: an unauthenticated caller learns nothing about its request.
         interceptors = [ApiKeyInterceptor(keys)] if keys else []
         interceptors.append(MalformedRequestInterceptor(f"/{generate.SERVICE_NAME}/"))
@@ -131,8 +143,14 @@ class FrontendServer:
         else:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
-        logger.info("listening on %s:%d (%s%s)", cfg.host, self.port, "TLS" if cfg.tls_cert else "plaintext",
-                    ", API keys required" if keys else "")
+        logger.info(
+            "listening on %s:%d (%s%s)",
+            cfg.host,
+            self.port,
+            "TLS" if cfg.tls_cert else "plaintext",
+            ", API keys required" if keys else "",
+        )
+        self._write_ready_file(serving=False)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port)
             logger.info("metrics on :%d/metrics", cfg.metrics_port)
@@ -157,8 +175,13 @@ class FrontendServer:
             if now != serving:
                 serving = now
                 await self._set_health(serving)
-                logger.info("health: %s (%d engines connected)", "SERVING" if serving else "NOT_SERVING",
-                            self.router.num_connected)
+                if not self._stopping.is_set():
+                    self._write_ready_file(serving)
+                logger.info(
+                    "health: %s (%d engines connected)",
+                    "SERVING" if serving else "NOT_SERVING",
+                    self.router.num_connected,
+                )
 
     async def _fetch_tokenizer(self) -> None:
         while True:
@@ -174,8 +197,14 @@ class FrontendServer:
             self._health_changed.set()
             return
 
+    def _write_ready_file(self, serving: bool) -> None:
+        cfg = self.config
+        state = "serving" if serving else "listening"
+        write_ready_file(cfg.ready_file, service="frontend", host=cfg.host, port=self.port, state=state)
+
     async def stop(self) -> None:
         self._stopping.set()
+        remove_ready_file(self.config.ready_file)
         await self._set_health(False)
         if self.server is not None:
             await self.server.stop(grace=self.config.shutdown_timeout)
@@ -195,4 +224,3 @@ class FrontendServer:
         await self._stopping.wait()
         logger.info("shutting down: finishing in-flight calls for up to %.0f s", self.config.shutdown_timeout)
         await self.stop()
-

@@ -43,8 +43,16 @@ def _status(code: ErrorCode) -> grpc.StatusCode:
 
 
 class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, router: EngineRouter, *, max_n: int = 16, max_stop_strings: int = 16,
-                 stream_interval: int = 1, metrics: FrontendMetrics | None = None, tracer=None) -> None:
+    def __init__(
+        self,
+        router: EngineRouter,
+        *,
+        max_n: int = 16,
+        max_stop_strings: int = 16,
+        stream_interval: int = 1,
+        metrics: FrontendMetrics | None = None,
+        tracer=None,
+    ) -> None:
         self.router = router
         self.stream_interval = stream_interval
         self.max_n = max_n
@@ -80,8 +88,9 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                     # A draining engine refused before anything was sent: try another one once.
                     if sent or tried:
                         raise
-                    logger.info("engine %s refused %s (%s); trying another engine", client.address,
-                                request.request_id or "-", e)
+                    logger.info(
+                        "engine %s refused %s (%s); trying another engine", client.address, request.request_id or "-", e
+                    )
                     tried.append(client)
             code = grpc.StatusCode.OK
         except RequestError as e:
@@ -94,14 +103,17 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(code, message)
 
     def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
-        return plan_generate(convert.generate_input(request), tokenizer, info,
-                             max_n=self.max_n, max_stop_strings=self.max_stop_strings)
+        return plan_generate(
+            convert.generate_input(request), tokenizer, info, max_n=self.max_n, max_stop_strings=self.max_stop_strings
+        )
 
     async def _stream(self, plan: Plan, client, request, context, stats: GenerateStats):
         wakeup = asyncio.Event()
         handles = []
-        choices = [ChoiceProcessor(i, self.tokenizer, plan.prompt_token_ids, plan.text_params(i), self._texts)
-                   for i in range(plan.n)]
+        choices = [
+            ChoiceProcessor(i, self.tokenizer, plan.prompt_token_ids, plan.text_params(i), self._texts)
+            for i in range(plan.n)
+        ]
 
         def abort_unfinished(_context=None) -> None:
             live = [h.request_id for h in handles if not h.finished and not h.aborted]
@@ -114,12 +126,24 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             rids = [uuid.uuid4().hex for _ in range(plan.n)]
             trace_context = stats.routed(client.address, rids)
             for i, rid in enumerate(rids):
-                handles.append(client.add(rid, plan.prompt_token_ids, plan.engine_params(i),
-                                          priority=plan.priority, trace_context=trace_context,
-                                          arrival_time=arrival, wakeup=wakeup,
-                                          stream_interval=self.stream_interval))
-            logger.debug("Generate %s -> engine %s as %s", request.request_id or "-", client.address,
-                         ",".join(h.request_id for h in handles))
+                handles.append(
+                    client.add(
+                        rid,
+                        plan.prompt_token_ids,
+                        plan.engine_params(i),
+                        priority=plan.priority,
+                        trace_context=trace_context,
+                        arrival_time=arrival,
+                        wakeup=wakeup,
+                        stream_interval=self.stream_interval,
+                    )
+                )
+            logger.debug(
+                "Generate %s -> engine %s as %s",
+                request.request_id or "-",
+                client.address,
+                ",".join(h.request_id for h in handles),
+            )
             unfinished = set(range(plan.n))
             while unfinished:
                 await wakeup.wait()
@@ -189,7 +213,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
         return convert.model_info_response(
-            info, has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+            info,
+            has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
             num_engines=self.router.num_connected,
         )
 

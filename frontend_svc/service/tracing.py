@@ -20,8 +20,12 @@ RPC_SERVICE = "tandem.generate.v1.GenerateService"
 _PROPAGATED = ("traceparent", "tracestate", "baggage")
 # Server-side span errors per the RPC semantic conventions; client mistakes are not errors.
 _SERVER_ERRORS = {
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS,
 }
 
 
@@ -29,7 +33,9 @@ def start_rpc_span(tracer: trace.Tracer, method: str, context: grpc.aio.Servicer
     carrier = {k: v for k, v in (context.invocation_metadata() or ()) if k in _PROPAGATED}
     parent = propagate.extract(carrier) if carrier else None
     return tracer.start_span(
-        f"{RPC_SERVICE}/{method}", context=parent, kind=SpanKind.SERVER,
+        f"{RPC_SERVICE}/{method}",
+        context=parent,
+        kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method},
     )
 

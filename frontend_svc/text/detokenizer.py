@@ -43,9 +43,10 @@ bytes that make the joint run invalid UTF-8; the decoder then re-renders prompt 
 and the output's new ids are decoded on their own.
 
 Why not ``tokenizers.decoders.DecodeStream`` (the same window idea, in Rust: ~2 µs per
-token against ~4-7 µs here, both far inside the frontend's 100 µs per token): it cannot release held-back text at the end of a stream (a
-stream ending in an unfinished character loses it), and it emits a ByteFallback run
-early and then raises "Invalid prefix encountered" when a later byte re-renders it.
+token against ~4-7 µs here, both far inside the frontend's 100 µs per token): it cannot
+release held-back text at the end of a stream (a stream ending in an unfinished
+character loses it), and it emits a ByteFallback run early and then raises "Invalid
+prefix encountered" when a later byte re-renders it.
 """
 
 from __future__ import annotations
@@ -63,9 +64,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 _MAX_BYTE_RUN = 64
 
 
-def seed_token_ids(
-    tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool
-) -> list[int]:
+def seed_token_ids(tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
     """The prompt tail that seeds the context window.
 
     Its last SEED_TOKENS ids, leaving out ids a decode drops (special ones when skipped,
@@ -169,20 +168,18 @@ class IncrementalDetokenizer:
         """Emits the text that ``ids[read:end]`` add; they become the new context."""
         ids = self._ids
         text = self._decode(ids[:end], skip_special_tokens=self._skip)
-        if hold_incomplete and (
-            len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR)
-        ):
+        if hold_incomplete and (len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR)):
             return ""
         if text.startswith(self._prefix_text):
-            delta = text[len(self._prefix_text):]
+            delta = text[len(self._prefix_text) :]
         else:
             # The decoder re-rendered context text. Only ByteFallback does, when a seed
             # that ends inside a character (or is byte tokens alone) and the output's first
             # bytes make one run that is not UTF-8. No stream can follow that: the new ids
             # are decoded on their own.
-            delta = self._decode(ids[self._read:end], skip_special_tokens=self._skip)
+            delta = self._decode(ids[self._read : end], skip_special_tokens=self._skip)
 
-        del ids[:self._read]
+        del ids[: self._read]
         self._read = end - self._read
-        self._prefix_text = self._decode(ids[:self._read], skip_special_tokens=self._skip)
+        self._prefix_text = self._decode(ids[: self._read], skip_special_tokens=self._skip)
         return delta

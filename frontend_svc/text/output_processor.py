@@ -139,8 +139,11 @@ class ChoiceProcessor:
         ids = out.new_token_ids
         # The engine's stop token is counted but not detokenized (vLLM's convention).
         hide_last = (
-            out.finish_reason is FinishReason.STOP and out.stop_token_id is not None
-            and bool(ids) and ids[-1] == out.stop_token_id and not self.params.include_stop_str_in_output
+            out.finish_reason is FinishReason.STOP
+            and out.stop_token_id is not None
+            and bool(ids)
+            and ids[-1] == out.stop_token_id
+            and not self.params.include_stop_str_in_output
         )
         text, matched, num_taken = self._push_tokens(ids, hide_last)
         piece = ChoiceOutput(
@@ -162,8 +165,9 @@ class ChoiceProcessor:
         if not self._prompt_logprobs_sent and (ids or piece.finished):
             piece.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
             self._prompt_logprobs_sent = True
-        has_news = piece.text or piece.logprobs or piece.prompt_logprobs or (
-            self.params.return_token_ids and piece.token_ids)
+        has_news = (
+            piece.text or piece.logprobs or piece.prompt_logprobs or (self.params.return_token_ids and piece.token_ids)
+        )
         return piece if has_news or piece.finished else None
 
     @property
@@ -186,8 +190,14 @@ class ChoiceProcessor:
                 return "".join(parts), matched, i + 1
         return "".join(parts), None, len(ids)
 
-    def _finish(self, piece: ChoiceOutput, reason: FinishReason | None, *,
-                stop_str: str | None = None, stop_token_id: int | None = None) -> None:
+    def _finish(
+        self,
+        piece: ChoiceOutput,
+        reason: FinishReason | None,
+        *,
+        stop_str: str | None = None,
+        stop_token_id: int | None = None,
+    ) -> None:
         self.finished = True
         piece.finish_reason = reason
         piece.stop_str = stop_str

@@ -68,7 +68,7 @@ class StopChecker:
             return text[: start + len(stop) if self._include else start], stop
 
         keep = self._tail_to_hold(text)
-        self._held = text[len(text) - keep:] if keep else ""
+        self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], None
 
     def finish(self) -> str:

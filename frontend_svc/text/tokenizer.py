@@ -186,9 +186,7 @@ class Tokenizer:
         ``enable_thinking`` ...) become template variables. Any failure, including the
         template's own ``raise_exception``, is a ValueError."""
         if self._chat_template_source is None:
-            raise ValueError(
-                "this model's tokenizer has no chat template; send a text prompt instead"
-            )
+            raise ValueError("this model's tokenizer has no chat template; send a text prompt instead")
         if self._compiled_template is None:
             try:
                 self._compiled_template = _jinja_env().from_string(self._chat_template_source)
@@ -280,10 +278,10 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:

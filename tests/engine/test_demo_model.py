@@ -151,9 +151,7 @@ def test_chat_template_renders_chatml(model_dir, hf_tokenizer):
     )
     no_prompt = hf_tokenizer.apply_chat_template(messages, tokenize=False)
     assert no_prompt.endswith("<|im_end|>\n")
-    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
-        "input_ids"
-    ]
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert ids.count(hf_tokenizer.bos_token_id) == 1  # the template's BOS only
     config = _read_json(model_dir / "tokenizer_config.json")
     assert (model_dir / "chat_template.jinja").read_text(encoding="utf-8") == config["chat_template"]
@@ -180,7 +178,7 @@ def test_greedy_generation_is_not_one_repeated_token(model_dir, hf_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     inputs = hf_tokenizer("The first warm morning of the year", return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=32, min_new_tokens=32, do_sample=False)
-    new_token_ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    new_token_ids = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(new_token_ids) == 32
     assert len(set(new_token_ids)) >= 8, new_token_ids
 
@@ -242,8 +240,9 @@ def test_ensure_from_two_processes_at_once(cache_dir, model_dir):
         "print(path)\n"
     )
     procs = [
-        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=240) for p in procs]

@@ -20,9 +20,9 @@ import torch
 
 from engine_svc.model import runner as model_runner
 from engine_svc.model.attention import AttentionMetadata
-from engine_svc.model.runner import ModelRunner
 from engine_svc.model.llama import ModelArgs
 from engine_svc.model.loader import load_model
+from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import ScheduledRequest, SchedulerOutput
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams
@@ -157,8 +157,15 @@ def test_model_args_from_config(model_dirs):
 
 
 def test_unsupported_rope_type_is_named():
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }
     with pytest.raises(NotImplementedError, match="yarn"):
         ModelArgs.from_hf_config(config)
 
@@ -380,6 +387,7 @@ def test_loading_does_not_import_torch_dynamo(demo_model_dir):
         "assert model.embed_tokens.weight.device.type == 'cpu'; "
         "print('torch._dynamo' in sys.modules)"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(demo_model_dir)], capture_output=True, text=True,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(demo_model_dir)], capture_output=True, text=True, timeout=120, check=True
+    )
     assert result.stdout.strip() == "False"

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
 from engine_svc.model.native import load_decode_attention
+from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -88,7 +88,9 @@ _LOAD = "from engine_svc.model.native import load_decode_attention as k; print(k
 
 def _loads(kernel_dir, cc: str | None) -> bool:
     env = {**os.environ, "TANDEM_KERNEL_DIR": str(kernel_dir), "CC": cc or "/nonexistent/cc"}
-    out = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     return out.stdout.strip() == "True"
 
 

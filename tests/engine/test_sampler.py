@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from engine_svc.model.sampler import Sampler
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams
-from engine_svc.model.sampler import Sampler
 
 VOCAB = 16
 

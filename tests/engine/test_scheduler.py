@@ -12,29 +12,49 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request, RequestStatus
-from engine_svc.types import ErrorCode, FinishReason, Logprob, SamplingParams
 from engine_svc.sched.scheduler import Scheduler
+from engine_svc.types import ErrorCode, FinishReason, Logprob, SamplingParams
 
 BS = 4  # block size in these tests
 TOKEN = 7  # what the fake runner samples
 EOS = 0
 
 
-def make_scheduler(*, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
-                   policy="fcfs", enable_prefix_caching=True, block_size=BS) -> Scheduler:
+def make_scheduler(
+    *,
+    num_blocks=64,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=1024,
+    policy="fcfs",
+    enable_prefix_caching=True,
+    block_size=BS,
+) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len, policy=policy)
+    return Scheduler(
+        kv,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        policy=policy,
+    )
 
 
-def make_request(request_id: str, prompt: int | list[int], *, max_tokens=4, priority=0, arrival=0.0,
-                 **params) -> Request:
+def make_request(
+    request_id: str, prompt: int | list[int], *, max_tokens=4, priority=0, arrival=0.0, **params
+) -> Request:
     prompt_ids = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
-    return Request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, **params),
-                   priority=priority, arrival_time=arrival, eos_token_ids=(EOS,))
+    return Request(
+        request_id,
+        prompt_ids,
+        SamplingParams(max_tokens=max_tokens, **params),
+        priority=priority,
+        arrival_time=arrival,
+        eos_token_ids=(EOS,),
+    )
 
 
 def sample(out: SchedulerOutput, token: int = TOKEN) -> ModelRunnerOutput:
@@ -223,7 +243,9 @@ def test_abort_waiting_running_twice_and_unknown():
     assert s.kv_cache_manager.num_used_blocks == 2
     outputs = s.abort_requests(["wait", "run", "run", "nope"])
     assert [(o.request_id, o.finish_reason) for o in outputs] == [
-        ("wait", FinishReason.ABORT), ("run", FinishReason.ABORT)]
+        ("wait", FinishReason.ABORT),
+        ("run", FinishReason.ABORT),
+    ]
     assert s.abort_requests(["run"]) == []
     assert s.kv_cache_manager.num_used_blocks == 0 and not s.has_unfinished_requests()
     out = s.schedule()
@@ -305,8 +327,11 @@ class SlotCheckingRunner:
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5]]
 
 request_spec = st.tuples(
-    st.sampled_from(PREFIXES), st.lists(st.integers(0, 20), max_size=10),  # prompt = prefix + tail
-    st.integers(1, 8), st.integers(0, 2), st.integers(0, 8),  # max_tokens, priority, arrival step
+    st.sampled_from(PREFIXES),
+    st.lists(st.integers(0, 20), max_size=10),  # prompt = prefix + tail
+    st.integers(1, 8),
+    st.integers(0, 2),
+    st.integers(0, 8),  # max_tokens, priority, arrival step
 )
 
 
@@ -321,15 +346,24 @@ request_spec = st.tuples(
     policy=st.sampled_from(["fcfs", "priority"]),
     prefix_caching=st.booleans(),
 )
-def test_random_workloads_always_drain(specs, aborts, block_size, pool_tokens, max_num_seqs, budget, policy,
-                                       prefix_caching):
+def test_random_workloads_always_drain(
+    specs, aborts, block_size, pool_tokens, max_num_seqs, budget, policy, prefix_caching
+):
     num_blocks = pool_tokens // block_size
-    s = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                       policy=policy, enable_prefix_caching=prefix_caching, block_size=block_size,
-                       max_model_len=64)
+    s = make_scheduler(
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        policy=policy,
+        enable_prefix_caching=prefix_caching,
+        block_size=block_size,
+        max_model_len=64,
+    )
     kv, runner = s.kv_cache_manager, SlotCheckingRunner(block_size)
-    requests = [make_request(f"r{i}", prefix + tail, max_tokens=m, priority=p, arrival=float(t))
-                for i, (prefix, tail, m, p, t) in enumerate(specs)]
+    requests = [
+        make_request(f"r{i}", prefix + tail, max_tokens=m, priority=p, arrival=float(t))
+        for i, (prefix, tail, m, p, t) in enumerate(specs)
+    ]
     finished: dict[str, EngineOutput] = {}
     num_tokens: dict[str, int] = {}
 
@@ -361,9 +395,12 @@ def test_random_workloads_always_drain(specs, aborts, block_size, pool_tokens, m
     else:
         raise AssertionError("the workload did not drain")
 
-    for label, happened in [("preempted", s.num_preemptions), ("prefix hit", kv.num_hits),
-                            ("aborted", any(o.finish_reason == FinishReason.ABORT for o in finished.values())),
-                            ("refused", any(o.error for o in finished.values()))]:
+    for label, happened in [
+        ("preempted", s.num_preemptions),
+        ("prefix hit", kv.num_hits),
+        ("aborted", any(o.finish_reason == FinishReason.ABORT for o in finished.values())),
+        ("refused", any(o.error for o in finished.values())),
+    ]:
         event(f"{label}: {bool(happened)}")
     assert kv.num_used_blocks == 0 and s.num_running == 0 and s.num_waiting == 0
     assert set(finished) == {r.request_id for r in requests}

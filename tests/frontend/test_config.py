@@ -5,9 +5,25 @@ from __future__ import annotations
 from frontend_svc.config import FrontendConfig, build_parser
 
 FLAGS = [
-    "--engine", "--dns-refresh-s", "--host", "--port", "--tokenizer", "--metrics-port", "--log-level",
-    "--log-format", "--otlp-endpoint", "--tls-cert", "--tls-key", "--engine-tls-ca", "--engine-tls-cert",
-    "--engine-tls-key", "--api-key", "--api-key-file", "--max-message-bytes", "--max-stop-strings", "--max-n",
+    "--engine",
+    "--dns-refresh-s",
+    "--host",
+    "--port",
+    "--tokenizer",
+    "--metrics-port",
+    "--log-level",
+    "--log-format",
+    "--otlp-endpoint",
+    "--tls-cert",
+    "--tls-key",
+    "--engine-tls-ca",
+    "--engine-tls-cert",
+    "--engine-tls-key",
+    "--api-key",
+    "--api-key-file",
+    "--max-message-bytes",
+    "--max-stop-strings",
+    "--max-n",
     "--shutdown-timeout",
 ]
 
@@ -36,8 +52,18 @@ def test_defaults():
 def test_repeatable_flags_and_dns_targets(tmp_path):
     keyfile = tmp_path / "keys"
     keyfile.write_text("# team keys\nk2\n\n  k3  \n")
-    c = parse("--engine", "a:1", "--engine", "dns:///engines.ns.svc:50051", "--api-key", "k1",
-              "--api-key-file", str(keyfile), "--dns-refresh-s", "2.5")
+    c = parse(
+        "--engine",
+        "a:1",
+        "--engine",
+        "dns:///engines.ns.svc:50051",
+        "--api-key",
+        "k1",
+        "--api-key-file",
+        str(keyfile),
+        "--dns-refresh-s",
+        "2.5",
+    )
     assert c.engines == ["a:1", "dns:///engines.ns.svc:50051"]
     assert c.all_api_keys() == ["k1", "k2", "k3"]
     assert c.dns_refresh_s == 2.5

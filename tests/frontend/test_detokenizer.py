@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from frontend_svc.text.detokenizer import SEED_TOKENS, IncrementalDetokenizer, seed_token_ids
@@ -22,9 +22,20 @@ TOKENIZERS = {kind: Tokenizer.from_files(tokenizer_files(kind)) for kind in KIND
 
 # Letters, spaces, newlines, accents, CJK (some in the sentencepiece vocabulary, some
 # not), emoji including ZWJ sequences and a skin-tone modifier.
-ALPHABET = list("abcdefgh xyzXYZ,.!?\n\t") + list("éèçñüøåßÆ") + list("日本語中文北京世界한국") + [
-    "😀", "🚀", "👍🏽", "👨‍👩‍👧", "❤️", "🦀", "\u0301",
-]
+ALPHABET = (
+    list("abcdefgh xyzXYZ,.!?\n\t")
+    + list("éèçñüøåßÆ")
+    + list("日本語中文北京世界한국")
+    + [
+        "😀",
+        "🚀",
+        "👍🏽",
+        "👨‍👩‍👧",
+        "❤️",
+        "🦀",
+        "\u0301",
+    ]
+)
 TEXT = st.lists(st.sampled_from(ALPHABET), max_size=40).map("".join)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -62,7 +73,7 @@ def check_against_reference(tok, prompt_ids, output_ids, cuts, skip):
     # Each push's text is final: a U+FFFD in a delta is one the full decode has there.
     pos = len(det.seed_text)
     for d in deltas:
-        assert d == full[pos:pos + len(d)]
+        assert d == full[pos : pos + len(d)]
         pos += len(d)
     return det, out, full
 
@@ -171,7 +182,7 @@ def test_skip_special_tokens(kind):
     det = IncrementalDetokenizer(tok, [bos], skip_special_tokens=False)
     text = "".join(det.push([t]) for t in output_ids) + det.flush()
     full = tok.decode([bos] + output_ids, skip_special_tokens=False)
-    assert text == full[len(tok.decode([bos], skip_special_tokens=False)):]
+    assert text == full[len(tok.decode([bos], skip_special_tokens=False)) :]
     assert text.count("</s>") == 2
 
 
@@ -247,10 +258,7 @@ def test_seed_is_a_decodable_prompt_suffix(kind, skip, data):
     tok = TOKENIZERS[kind]
     prompt_ids = data.draw(st.lists(st.integers(-2, tok.vocab_size + 2), max_size=90))
     seed = seed_token_ids(tok, prompt_ids, skip)
-    kept = [
-        t for t in prompt_ids
-        if 0 <= t < tok.vocab_size and not (skip and t in tok.all_special_ids)
-    ]
+    kept = [t for t in prompt_ids if 0 <= t < tok.vocab_size and not (skip and t in tok.all_special_ids)]
     byte_values = tok.byte_fallback_bytes
     run = 0
     while run < len(kept) and kept[len(kept) - 1 - run] in byte_values:
@@ -258,11 +266,11 @@ def test_seed_is_a_decodable_prompt_suffix(kind, skip, data):
     # The seed ends where the prompt ends, or before a trailing run of byte tokens that is
     # complete UTF-8 and follows an ordinary token.
     end = len(kept)
-    if kept[end - len(seed):] != seed or not seed and kept:
+    if kept[end - len(seed) :] != seed or not seed and kept:
         end = len(kept) - run
         assert 0 < end < len(kept)
         bytes(byte_values[t] for t in kept[end:]).decode("utf-8")
-    assert seed == kept[end - len(seed):end]
+    assert seed == kept[end - len(seed) : end]
     assert len(seed) >= min(end, SEED_TOKENS)
     if seed and len(seed) < end:
         # It does not start inside a character's byte tokens.

@@ -29,8 +29,13 @@ class TokenizerOnlyEngine(engine_pb2_grpc.EngineServiceServicer):
             for offset in range(0, len(sent), 4096):
                 if self.damage == "gap" and offset == 4096:
                     continue
-                yield pb.GetTokenizerResponse(file_name=name, offset=offset, data=sent[offset:offset + 4096],
-                                              total_size=len(data), sha256=digest)
+                yield pb.GetTokenizerResponse(
+                    file_name=name,
+                    offset=offset,
+                    data=sent[offset : offset + 4096],
+                    total_size=len(data),
+                    sha256=digest,
+                )
 
 
 @pytest.fixture

@@ -14,15 +14,19 @@ from tandem_common.types import FinishReason
 
 
 def test_parse_dns_target():
-    assert parse_dns_target("dns:///engines.default.svc.cluster.local:50051") == ("engines.default.svc.cluster.local", 50051)
+    assert parse_dns_target("dns:///engines.default.svc.cluster.local:50051") == (
+        "engines.default.svc.cluster.local",
+        50051,
+    )
     assert parse_dns_target("dns://8.8.8.8/engines:7") == ("engines", 7)
     assert parse_dns_target("dns:///[::1]:9") == ("::1", 9)
     with pytest.raises(ValueError):
         parse_dns_target("dns:///no-port")
 
 
-def _client(router: EngineRouter, address: str, *, running=0, waiting=0, outstanding=0, connected=True,
-            draining=False) -> EngineClient:
+def _client(
+    router: EngineRouter, address: str, *, running=0, waiting=0, outstanding=0, connected=True, draining=False
+) -> EngineClient:
     client = EngineClient(address)  # never started: its figures are set by hand
     client.connected = connected
     client.load = EngineLoad(num_running=running, num_waiting=waiting, draining=draining)

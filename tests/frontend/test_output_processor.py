@@ -45,7 +45,11 @@ def test_plain_stream_is_the_full_decode_and_counts_usage():
     assert joined(pieces) == TOK.decode(ids)
     last = pieces[-1]
     assert last.finish_reason is FinishReason.LENGTH and last.stop_str is None and last.stop_token_id is None
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (len(PROMPT), len(ids), 3)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (
+        len(PROMPT),
+        len(ids),
+        3,
+    )
     assert all(p.usage is None for p in pieces[:-1])
     assert proc.process(out([1, 2])) is None  # nothing after the end
 
@@ -174,4 +178,4 @@ def test_merged_outputs_give_the_same_result_as_single_tokens(kind, data):
     merged = result([EngineOutput("r", c) for c in chunks] + [EngineOutput("r", [], finish_reason=FinishReason.LENGTH)])
     assert single == merged
     if single[1] is None:
-        assert single[0] == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+        assert single[0] == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]

@@ -174,8 +174,7 @@ def split(text, cuts):
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=SMALL_TEXT, stops=STOPS, include=st.booleans(),
-       cuts=st.lists(st.integers(0, 40), max_size=10))
+@given(text=SMALL_TEXT, stops=STOPS, include=st.booleans(), cuts=st.lists(st.integers(0, 40), max_size=10))
 def test_any_chunking_matches_the_reference(text, stops, include, cuts):
     deltas = split(text, cuts)
     sc = StopChecker(stops, include_stop_str_in_output=include)
@@ -192,8 +191,7 @@ def test_any_chunking_matches_the_reference(text, stops, include, cuts):
         held = sc.held_text
         assert released + held == seen
         longest = max(
-            (n for n in range(1, len(seen) + 1)
-             if any(s.startswith(seen[-n:]) and s != seen[-n:] for s in stops if s)),
+            (n for n in range(1, len(seen) + 1) if any(s.startswith(seen[-n:]) and s != seen[-n:] for s in stops if s)),
             default=0,
         )
         assert len(held) == longest
@@ -202,8 +200,13 @@ def test_any_chunking_matches_the_reference(text, stops, include, cuts):
 
 
 @settings(max_examples=100, deadline=None)
-@given(before=SMALL_TEXT, after=SMALL_TEXT, stops=STOPS, include=st.booleans(),
-       cuts=st.lists(st.integers(0, 40), max_size=6))
+@given(
+    before=SMALL_TEXT,
+    after=SMALL_TEXT,
+    stops=STOPS,
+    include=st.booleans(),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+)
 def test_min_tokens_gate(before, after, stops, include, cuts):
     deltas = split(before, cuts) + split(after, cuts)
     checks = [False] * len(split(before, cuts)) + [True] * len(split(after, cuts))

@@ -81,9 +81,7 @@ def test_chat_template(tok, kind):
     assert tok.has_chat_template
     text = tok.apply_chat_template(MESSAGES)
     if kind == "sentencepiece":  # template in tokenizer_config.json, uses bos/eos_token
-        assert text == (
-            "<s>[INST] Bonjour, ça va ? 😀 [/INST] Très bien, merci.</s>[INST] 日本の首都は？ [/INST]"
-        )
+        assert text == ("<s>[INST] Bonjour, ça va ? 😀 [/INST] Très bien, merci.</s>[INST] 日本の首都は？ [/INST]")
     else:  # template in chat_template.jinja
         assert text.endswith("<|user|>\n日本の首都は？</s>\n<|assistant|>\n")
         no_prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
@@ -126,8 +124,10 @@ def test_config_variants():
     files = with_config(
         "byte_level",
         bos_token={"content": "<s>", "special": True},
-        chat_template=[{"name": "tool_use", "template": "tools"},
-                       {"name": "default", "template": "{{ messages | tojson }}|{{ bos_token }}"}],
+        chat_template=[
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{{ messages | tojson }}|{{ bos_token }}"},
+        ],
     )
     files["generation_config.json"] = json.dumps({"eos_token_id": [2, 0]}).encode()
     tok = Tokenizer.from_files(files)

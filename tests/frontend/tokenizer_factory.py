@@ -79,7 +79,7 @@ def _corpus() -> list[str]:
     return CORPUS * 3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _byte_level_json() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -98,7 +98,7 @@ def _byte_level_json() -> str:
     return tok.to_str()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sentencepiece_json() -> str:
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
@@ -107,9 +107,7 @@ def _sentencepiece_json() -> str:
     # frequency ties differently from one process to the next.)
     counts = collections.Counter("".join(CORPUS))
     corpus = ["".join(c if counts[c] > 1 else " " for c in line) for line in _corpus()]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(corpus, trainer)
 
     # Llama-2 layout: "▁"-normalizer instead of a pre-tokenizer, byte tokens in the vocab
@@ -121,12 +119,14 @@ def _sentencepiece_json() -> str:
     tok = Tokenizer.from_str(json.dumps(data))
     tok.pre_tokenizer = None
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "),
-        decoders.ByteFallback(),
-        decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
@@ -154,8 +154,14 @@ def tokenizer_files(kind: str) -> dict[str, bytes]:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {
-            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for t in SPECIAL_TOKENS
             for i in [tok.token_to_id(t)]
         },

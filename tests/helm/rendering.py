@@ -77,8 +77,12 @@ EVERYTHING_VALUES: dict[str, Any] = {
         "model": {"pvc": {"claimName": "models"}},
         "priorityClassName": "inference",
         "topologySpreadConstraints": [
-            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-             "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}}}
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}},
+            }
         ],
         "extraEnv": [{"name": "OMP_NUM_THREADS", "value": "8"}],
         "extraVolumes": [{"name": "scratch", "emptyDir": {}}],
@@ -96,10 +100,19 @@ EVERYTHING_VALUES: dict[str, Any] = {
         },
         "preStopSleepSeconds": 0,
         "extraArgs": ["--tokenizer", "/tokenizer"],
-        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-            {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                 "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "frontend"}}}}
-        ]}},
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "frontend"}},
+                        },
+                    }
+                ]
+            }
+        },
     },
     "networkPolicy": {"extraIngress": [{"from": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": [{"port": 9090}]}]},
 }

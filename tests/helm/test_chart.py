@@ -283,8 +283,13 @@ def test_grace_period_exceeds_shutdown_timeout(chart, name):
 
 
 def test_grace_period_follows_shutdown_timeout(chart):
-    objects = render(chart, {"engine": {"shutdownTimeout": 120, "livenessProbe": {"failureThreshold": 10}},
-                             "frontend": {"livenessProbe": {"failureThreshold": 15}}})
+    objects = render(
+        chart,
+        {
+            "engine": {"shutdownTimeout": 120, "livenessProbe": {"failureThreshold": 10}},
+            "frontend": {"livenessProbe": {"failureThreshold": 15}},
+        },
+    )
     engine = find(objects, "Deployment", ENGINE)
     assert flag(container(engine)["args"], "--shutdown-timeout") == ["120"]
     assert engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 135

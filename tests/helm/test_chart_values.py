@@ -33,7 +33,6 @@ from tests.helm.rendering import (
     selects,
 )
 
-
 # --------------------------------------------------------------------------- scale
 
 
@@ -199,11 +198,15 @@ def test_no_tls_flags_by_default(chart):
         ({"tls": {"frontend": {"enabled": True}}}, "tls.frontend.existingSecret"),
         ({"engine": {"containerPorts": {"metrics": 50051}}}, "engine.containerPorts"),
         ({"frontend": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}, "frontend.autoscaling"),
-        ({"frontend": {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}},
-         "frontend.resources.requests.cpu"),
+        (
+            {"frontend": {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}},
+            "frontend.resources.requests.cpu",
+        ),
         ({"engine": {"pdb": {"minAvailable": "", "maxUnavailable": ""}}}, "engine.pdb"),
-        ({"frontend": {"preStopSleepSeconds": 30, "terminationGracePeriodSeconds": 20}},
-         "frontend.terminationGracePeriodSeconds"),
+        (
+            {"frontend": {"preStopSleepSeconds": 30, "terminationGracePeriodSeconds": 20}},
+            "frontend.terminationGracePeriodSeconds",
+        ),
     ],
 )
 def test_values_validation_rejects(chart, values, where):

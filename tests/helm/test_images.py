@@ -79,7 +79,7 @@ def test_dockerfile_shape(name):
     assert "HEALTHCHECK" not in upper
     assert upper.count("FROM") >= 3, "multi-stage: wheel, venv, final"
     assert "ARG BASE_IMAGE=python:3.11-slim" in instructions
-    final = instructions[max(i for i, word in enumerate(upper) if word == "FROM"):]
+    final = instructions[max(i for i, word in enumerate(upper) if word == "FROM") :]
     assert "USER 10001:10001" in final
     assert not [line for line in final if line.upper().startswith("RUN")], "nothing is built in the final stage"
     assert any("tandem-health-probe" in line for line in final)
@@ -148,12 +148,44 @@ def certs(tmp_path_factory):
     def openssl(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-new", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-            "-config", "openssl.cnf", "-extensions", "v3_ca")
-    openssl("req", "-new", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-config", "openssl.cnf",
-            "-subj", "/CN=engine")
-    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "tls.crt", "-days", "2", "-extfile", "openssl.cnf", "-extensions", "server")
+    openssl(
+        "req",
+        "-x509",
+        "-new",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-config",
+        "openssl.cnf",
+        "-extensions",
+        "v3_ca",
+    )
+    openssl(
+        "req", "-new", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-config", "openssl.cnf", "-subj", "/CN=engine"
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "tls.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "openssl.cnf",
+        "-extensions",
+        "server",
+    )
     return d
 
 
@@ -200,8 +232,20 @@ def test_probe_mtls_without_client_certificate_fails(mtls_server, certs):
 
 def test_probe_rejects_wrong_server_name(mtls_server, certs):
     _, port = mtls_server
-    args = ["--port", str(port), "--ca", str(certs / "ca.crt"), "--server-name", "other.example", "--timeout", "5",
-            "--cert", str(certs / "tls.crt"), "--key", str(certs / "tls.key")]
+    args = [
+        "--port",
+        str(port),
+        "--ca",
+        str(certs / "ca.crt"),
+        "--server-name",
+        "other.example",
+        "--timeout",
+        "5",
+        "--cert",
+        str(certs / "tls.crt"),
+        "--key",
+        str(certs / "tls.key"),
+    ]
     assert probe.main(args) == 1
 
 
@@ -209,6 +253,8 @@ def test_probe_runs_as_a_script(plaintext_server):
     _, port = plaintext_server
     result = subprocess.run(
         [sys.executable, str(DOCKER / "tandem-health-probe"), "--plaintext", "--port", str(port)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert (result.returncode, result.stdout.strip()) == (0, "SERVING"), result.stderr

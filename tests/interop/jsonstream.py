@@ -19,7 +19,7 @@ def json_objects(text: str) -> list[dict]:
 def stop_candidate(text: str, start: int = 4, length: int = 3) -> str | None:
     """A short run of letters and spaces from the middle of ``text``, to use as a stop string."""
     for i in range(start, len(text) - length):
-        piece = text[i:i + length]
+        piece = text[i : i + length]
         if all(c.isascii() and (c.isalpha() or c == " ") for c in piece) and piece.strip():
             return piece
     return None

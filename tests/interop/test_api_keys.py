@@ -24,8 +24,9 @@ def keyed_frontend(services, tmp_path_factory):
     engine, _ = services
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text("# one key per line\n\nkey-from-file\n")
-    frontend = start_frontend(engine.address, extra=("--api-key", "key-one", "--api-key", "key-two",
-                                                     "--api-key-file", str(key_file)))
+    frontend = start_frontend(
+        engine.address, extra=("--api-key", "key-one", "--api-key", "key-two", "--api-key-file", str(key_file))
+    )
     try:
         yield frontend.wait_serving()  # the health check needs no key
     finally:
@@ -53,15 +54,19 @@ def test_reflection_and_health_need_no_key(keyed_frontend):
     assert health.returncode == 0 and json.loads(health.stdout) == {"status": "SERVING"}, health.stderr
 
 
-@pytest.mark.parametrize("header", [
-    None,
-    "authorization: Bearer wrong-key",
-    "authorization: key-one",  # no scheme
-    "authorization: Basic key-one",  # the wrong scheme
-    "authorization: Bearer ",
-    "authorization: Bearer key-one-and-more",
-    "x-api-key: wrong-key",
-], ids=["none", "wrong", "no-scheme", "basic", "empty", "prefix", "x-api-key-wrong"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "authorization: Bearer wrong-key",
+        "authorization: key-one",  # no scheme
+        "authorization: Basic key-one",  # the wrong scheme
+        "authorization: Bearer ",
+        "authorization: Bearer key-one-and-more",
+        "x-api-key: wrong-key",
+    ],
+    ids=["none", "wrong", "no-scheme", "basic", "empty", "prefix", "x-api-key-wrong"],
+)
 def test_calls_without_a_valid_key_are_unauthenticated(keyed_frontend, header):
     for method, data in CALLS if header is None else CALLS[::3]:  # all, then Tokenize and Generate
         result = grpcurl_as(keyed_frontend.address, header, f"{GENERATE}/{method}", data=data)
@@ -70,22 +75,32 @@ def test_calls_without_a_valid_key_are_unauthenticated(keyed_frontend, header):
         assert "authorization: Bearer KEY" in result.stderr, (method, result.stderr)
 
 
-@pytest.mark.parametrize("header", [
-    "authorization: Bearer key-one", "authorization: Bearer key-two", "authorization: Bearer key-from-file",
-    "authorization: bearer key-one",
-], ids=["flag-1", "flag-2", "file", "lowercase-scheme"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "authorization: Bearer key-one",
+        "authorization: Bearer key-two",
+        "authorization: Bearer key-from-file",
+        "authorization: bearer key-one",
+    ],
+    ids=["flag-1", "flag-2", "file", "lowercase-scheme"],
+)
 def test_every_accepted_key_opens_the_calls(keyed_frontend, header):
     for method, data in CALLS if header == "authorization: Bearer key-one" else CALLS[::3]:
         result = grpcurl_as(keyed_frontend.address, header, f"{GENERATE}/{method}", data=data)
         assert result.returncode == 0, (method, result.stderr)
 
 
-@pytest.mark.parametrize("make_args", [
-    lambda d: ("--api-key", ""),
-    lambda d: ("--api-key", "   "),
-    lambda d: ("--api-key-file", str(d / "empty-keys")),
-    lambda d: ("--api-key-file", str(d / "missing-file")),
-], ids=["empty-key", "blank-key", "key-file-without-keys", "missing-key-file"])
+@pytest.mark.parametrize(
+    "make_args",
+    [
+        lambda d: ("--api-key", ""),
+        lambda d: ("--api-key", "   "),
+        lambda d: ("--api-key-file", str(d / "empty-keys")),
+        lambda d: ("--api-key-file", str(d / "missing-file")),
+    ],
+    ids=["empty-key", "blank-key", "key-file-without-keys", "missing-key-file"],
+)
 def test_authentication_cannot_be_switched_off_by_accident(tmp_path, make_args):
     (tmp_path / "empty-keys").write_text("# no key yet\n\n")
     frontend = start_frontend("127.0.0.1:1", extra=make_args(tmp_path))
@@ -103,8 +118,10 @@ def test_an_unauthenticated_caller_learns_nothing_about_its_request(keyed_fronte
 
     with grpc.insecure_channel(keyed_frontend.address) as channel:
         tokenize = channel.unary_unary(f"/{GENERATE}/Tokenize")
-        for metadata, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
-                               ((("authorization", "Bearer key-two"),), grpc.StatusCode.INVALID_ARGUMENT)):
+        for metadata, code in (
+            (None, grpc.StatusCode.UNAUTHENTICATED),
+            ((("authorization", "Bearer key-two"),), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
             with pytest.raises(grpc.RpcError) as error:
                 tokenize(b"\x0a\x02\xff\xfe", metadata=metadata, timeout=10)
             assert error.value.code() == code, error.value.details()

@@ -35,7 +35,8 @@ def test_buf_curl_lists_calls_and_reads_errors(services):
     listed = buf_curl("--list-methods", f"http://{frontend.address}")
     assert listed.returncode == 0, listed.stderr
     assert {f"{GENERATE}/{m}" for m in ("Generate", "Tokenize", "Detokenize", "GetModelInfo")} <= set(
-        listed.stdout.split())
+        listed.stdout.split()
+    )
 
     health = call(frontend.address, "grpc.health.v1.Health/Check", {"service": GENERATE})
     assert health.returncode == 0 and json.loads(health.stdout) == {"status": "SERVING"}, health.stderr
@@ -45,10 +46,15 @@ def test_buf_curl_lists_calls_and_reads_errors(services):
     # buf curl prints JSON field names (camelCase), grpcurl prints proto names.
     assert "".join(json.loads(tokenized.stdout)["tokens"]) == "hello world"
 
-    streamed = call(frontend.address, f"{GENERATE}/Generate", {
-        "text": "hello", "return_token_ids": True,
-        "sampling_params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True},
-    })
+    streamed = call(
+        frontend.address,
+        f"{GENERATE}/Generate",
+        {
+            "text": "hello",
+            "return_token_ids": True,
+            "sampling_params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert streamed.returncode == 0, streamed.stderr
     pieces = json_objects(streamed.stdout)
     assert len(pieces) > 1 and pieces[-1]["finishReason"] == "FINISH_REASON_LENGTH"
@@ -57,5 +63,7 @@ def test_buf_curl_lists_calls_and_reads_errors(services):
 
     bad = call(frontend.address, f"{GENERATE}/Generate", {"text": "hi", "sampling_params": {"n": 0}})
     assert bad.returncode != 0 and bad.stdout == ""
-    assert json.loads(bad.stderr) == {"code": "invalid_argument",
-                                      "message": "sampling_params.n: must be in [1, 16], got 0"}
+    assert json.loads(bad.stderr) == {
+        "code": "invalid_argument",
+        "message": "sampling_params.n: must be in [1, 16], got 0",
+    }

@@ -67,8 +67,9 @@ def test_grpcurl_session_against_the_frontend(services):
     _common_steps(s, GENERATE)
     methods = s.ok("list", GENERATE).split()
     assert methods == [f"{GENERATE}.{m}" for m in ("Detokenize", "Generate", "GetModelInfo", "Tokenize")]
-    assert ("rpc Generate ( .tandem.generate.v1.GenerateRequest ) returns "
-            "( stream .tandem.generate.v1.GenerateResponse );") in s.ok("describe", GENERATE), s.transcript()
+    assert (
+        "rpc Generate ( .tandem.generate.v1.GenerateRequest ) returns ( stream .tandem.generate.v1.GenerateResponse );"
+    ) in s.ok("describe", GENERATE), s.transcript()
     params = s.ok("describe", "tandem.generate.v1.SamplingParams")
     assert "optional uint32 max_tokens = 1;" in params and "repeated string stop = 11;" in params, s.transcript()
 
@@ -93,7 +94,7 @@ def test_grpcurl_session_against_the_frontend(services):
     request["sampling_params"]["stop"] = [stop, "never-generated-stop"]
     stopped = s.call(f"{GENERATE}/Generate", request)
     last = stopped[-1]
-    assert "".join(p.get("text", "") for p in stopped) == base[:base.find(stop)], s.transcript()
+    assert "".join(p.get("text", "") for p in stopped) == base[: base.find(stop)], s.transcript()
     assert last["finish_reason"] == "FINISH_REASON_STOP" and last["stop_str"] == stop, s.transcript()
     assert last["usage"]["completion_tokens"] < 24, s.transcript()
 
@@ -110,8 +111,9 @@ def test_grpcurl_session_against_the_engine(services):
     engine, _ = services
     s = Session(engine.address)
     _common_steps(s, ENGINE)
-    assert ("rpc Stream ( stream .tandem.engine.v1.StreamRequest ) returns "
-            "( stream .tandem.engine.v1.StreamResponse );") in s.ok("describe", ENGINE), s.transcript()
+    assert (
+        "rpc Stream ( stream .tandem.engine.v1.StreamRequest ) returns ( stream .tandem.engine.v1.StreamResponse );"
+    ) in s.ok("describe", ENGINE), s.transcript()
     [info] = s.call(f"{ENGINE}/GetModelInfo")
     assert info["architecture"] == "LlamaForCausalLM" and info["vocab_size"] == 2048, s.transcript()
 
@@ -126,10 +128,13 @@ def test_grpcurl_session_against_the_engine(services):
     outputs = [o for m in json_objects(out) for o in m.get("outputs", [])]
     finishes = {o["request_id"]: o for o in outputs if "finish_reason" in o}
     assert {rid: o["finish_reason"] for rid, o in finishes.items()} == {
-        "good": "FINISH_REASON_LENGTH", "bad": "FINISH_REASON_ERROR", "long": "FINISH_REASON_ABORT",
+        "good": "FINISH_REASON_LENGTH",
+        "bad": "FINISH_REASON_ERROR",
+        "long": "FINISH_REASON_ABORT",
     }, s.transcript()
     assert finishes["bad"]["error"] == {
-        "code": "ERROR_CODE_INVALID_ARGUMENT", "field": "sampling_params.top_p",
+        "code": "ERROR_CODE_INVALID_ARGUMENT",
+        "field": "sampling_params.top_p",
         "message": "sampling_params.top_p: must be in (0, 1], got 2.0",
     }, s.transcript()
     assert sum(len(o.get("new_token_ids", [])) for o in outputs if o["request_id"] == "good") == 4, s.transcript()

@@ -31,12 +31,16 @@ def node_client_ready() -> str:
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         pytest.skip("Node.js interop needs node and npm on PATH")
-    if all((NODE_DIR / "node_modules" / "@grpc" / name / "package.json").exists()
-           for name in ("grpc-js", "proto-loader")):
+    if all(
+        (NODE_DIR / "node_modules" / "@grpc" / name / "package.json").exists() for name in ("grpc-js", "proto-loader")
+    ):
         return node
     result = subprocess.run(
         [npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts", "--cache", str(NODE_DIR / ".npm-cache")],
-        cwd=NODE_DIR, capture_output=True, text=True, timeout=NPM_TIMEOUT_S,
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=NPM_TIMEOUT_S,
     )
     if result.returncode != 0:
         pytest.skip(f"npm ci failed in {NODE_DIR} (is the npm registry reachable?): {result.stderr[-400:]}")
@@ -45,8 +49,12 @@ def node_client_ready() -> str:
 
 def run_node_client(node: str, address: str, env: dict[str, str] | None = None) -> dict:
     result = subprocess.run(
-        [node, "client.js", address, str(ROOT / "protos")], cwd=NODE_DIR, capture_output=True, text=True,
-        timeout=120, env={**os.environ, **(env or {})},
+        [node, "client.js", address, str(ROOT / "protos")],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, f"node client failed ({result.returncode}):\n{result.stderr}"
     return json.loads(result.stdout)
@@ -61,10 +69,14 @@ async def test_node_client_streams_cancels_and_reads_errors(services):
         stub = stub_of(channel)
         info = await stub.GetModelInfo(g.GetModelInfoRequest())
         tokenized = await stub.Tokenize(g.TokenizeRequest(text="Hello from Node"))
-        expected = await generate(stub, text="Once upon a time", params=dict(max_tokens=8, temperature=0.0,
-                                                                              ignore_eos=True))
-    assert seen["model_info"] == {"model_name": info.model_name, "max_model_len": info.max_model_len,
-                                  "vocab_size": info.vocab_size}
+        expected = await generate(
+            stub, text="Once upon a time", params=dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+        )
+    assert seen["model_info"] == {
+        "model_name": info.model_name,
+        "max_model_len": info.max_model_len,
+        "vocab_size": info.vocab_size,
+    }
     assert seen["tokenize"] == {"token_ids": list(tokenized.token_ids), "tokens": list(tokenized.tokens)}
 
     stream = seen["stream"]
@@ -79,7 +91,13 @@ async def test_node_client_streams_cancels_and_reads_errors(services):
     assert seen["cancel"]["status"]["code_name"] == "CANCELLED"
     await wait_engine_idle(engine.address, timeout=5)
 
-    assert seen["invalid"] == {"num_responses": 0, "status": {
-        "code": 3, "code_name": "INVALID_ARGUMENT", "details": "sampling_params.top_p: must be in (0, 1], got 2.0"}}
+    assert seen["invalid"] == {
+        "num_responses": 0,
+        "status": {
+            "code": 3,
+            "code_name": "INVALID_ARGUMENT",
+            "details": "sampling_params.top_p: must be in (0, 1], got 2.0",
+        },
+    }
     assert seen["unary_error"]["code_name"] == "INVALID_ARGUMENT"
     assert seen["unary_error"]["details"].startswith("token_ids: token_ids[1] = 10000000 is outside the vocabulary")

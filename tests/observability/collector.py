@@ -39,7 +39,7 @@ class CollectedSpan:
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, collector: "Collector") -> None:
+    def __init__(self, collector: Collector) -> None:
         self.collector = collector
 
     def Export(self, request, context):
@@ -48,14 +48,23 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             resource = {a.key: _value(a.value) for a in rs.resource.attributes}
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    spans.append(CollectedSpan(
-                        service=resource.get("service.name", ""), name=s.name, trace_id=s.trace_id.hex(),
-                        span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(), kind=s.kind,
-                        start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
-                        attributes={a.key: _value(a.value) for a in s.attributes},
-                        events=[(e.name, e.time_unix_nano, {a.key: _value(a.value) for a in e.attributes})
-                                for e in s.events],
-                    ))
+                    spans.append(
+                        CollectedSpan(
+                            service=resource.get("service.name", ""),
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_span_id=s.parent_span_id.hex(),
+                            kind=s.kind,
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
+                            attributes={a.key: _value(a.value) for a in s.attributes},
+                            events=[
+                                (e.name, e.time_unix_nano, {a.key: _value(a.value) for a in e.attributes})
+                                for e in s.events
+                            ],
+                        )
+                    )
         with self.collector.lock:
             self.collector.spans.extend(spans)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -69,7 +78,7 @@ class Collector:
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
 
-    def __enter__(self) -> "Collector":
+    def __enter__(self) -> Collector:
         self.server.start()
         return self
 
@@ -92,6 +101,7 @@ class Collector:
             if names <= spans.keys():
                 return spans
             if time.monotonic() > deadline:
-                raise AssertionError(f"spans {sorted(names - spans.keys())} of trace {trace_id} never arrived; "
-                                     f"got {sorted(spans)}")
+                raise AssertionError(
+                    f"spans {sorted(names - spans.keys())} of trace {trace_id} never arrived; got {sorted(spans)}"
+                )
             time.sleep(0.05)

@@ -43,18 +43,38 @@ def stack(demo_model_dir):
         fast_export = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": ""}
         engine_metrics, frontend_metrics = free_port(), free_port()
         engine = start_engine(
-            demo_model_dir, "--num-kv-blocks", "256", "--metrics-port", str(engine_metrics), "--log-format", "json",
+            demo_model_dir,
+            "--num-kv-blocks",
+            "256",
+            "--metrics-port",
+            str(engine_metrics),
+            "--log-format",
+            "json",
             env={**fast_export, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{collector.address}"},
         )
         frontend = None
         try:
             engine.wait_serving()
-            frontend = start_frontend(engine.address, env=fast_export, extra=(
-                "--otlp-endpoint", collector.address, "--metrics-port", str(frontend_metrics),
-                "--log-format", "json"))
+            frontend = start_frontend(
+                engine.address,
+                env=fast_export,
+                extra=(
+                    "--otlp-endpoint",
+                    collector.address,
+                    "--metrics-port",
+                    str(frontend_metrics),
+                    "--log-format",
+                    "json",
+                ),
+            )
             frontend.wait_serving()
-            yield (collector, engine, frontend, f"http://127.0.0.1:{engine_metrics}/metrics",
-                   f"http://127.0.0.1:{frontend_metrics}/metrics")
+            yield (
+                collector,
+                engine,
+                frontend,
+                f"http://127.0.0.1:{engine_metrics}/metrics",
+                f"http://127.0.0.1:{frontend_metrics}/metrics",
+            )
         finally:
             if frontend is not None:
                 frontend.terminate()
@@ -68,8 +88,13 @@ async def test_one_trace_from_client_through_frontend_to_engine(stack):
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier)
         async with grpc.aio.insecure_channel(frontend.address) as channel:
-            responses = await generate(stub_of(channel), text="Once upon a time", request_id="obs-trace-1",
-                                       params=PARAMS, metadata=tuple(carrier.items()))
+            responses = await generate(
+                stub_of(channel),
+                text="Once upon a time",
+                request_id="obs-trace-1",
+                params=PARAMS,
+                metadata=tuple(carrier.items()),
+            )
     usage = responses[-1].usage
     ctx = client_span.get_span_context()
     trace_id, client_span_id = format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
@@ -111,8 +136,9 @@ async def test_unary_calls_get_spans_with_their_status_code(stack):
         TraceContextTextMapPropagator().inject(carrier)
         async with grpc.aio.insecure_channel(frontend.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub_of(channel).Detokenize(g.DetokenizeRequest(token_ids=[10**6]),
-                                                  metadata=tuple(carrier.items()), timeout=10)
+                await stub_of(channel).Detokenize(
+                    g.DetokenizeRequest(token_ids=[10**6]), metadata=tuple(carrier.items()), timeout=10
+                )
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     name = "tandem.generate.v1.GenerateService/Detokenize"
     trace_id = format(client_span.get_span_context().trace_id, "032x")
@@ -137,8 +163,11 @@ def _wait_log_line(frontend, request_id: str, timeout: float = 5.0) -> dict:
 def _scrape(url: str) -> dict[tuple, float]:
     with urllib.request.urlopen(url, timeout=5) as page:
         text = page.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _delta(before: dict, after: dict, name: str, **labels) -> float:
@@ -192,7 +221,10 @@ async def test_json_logs_carry_the_request_fields(stack):
     assert entry["level"] == "INFO" and entry["message"].startswith("Generate obs-log-1 OK")
     assert entry["engine"] == engine.address and entry["code"] == "OK" and entry["finish_reason"] == "length"
     assert (entry["prompt_tokens"], entry["completion_tokens"], entry["cached_tokens"]) == (
-        usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens,
+    )
     assert 0 < entry["ttft_s"] <= entry["total_s"]
     for proc in (engine, frontend):
         lines = [line for line in proc.log().splitlines() if line.startswith("{")]

@@ -14,8 +14,8 @@ from opentelemetry.trace import StatusCode
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.service.engine_loop import AddCommand, EngineLoop
-from engine_svc.types import SamplingParams
 from engine_svc.service.tracing import RequestTracer
+from engine_svc.types import SamplingParams
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -25,8 +25,9 @@ LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def core(demo_model_dir):
     # 4 blocks of 16 tokens: two requests of 20 + 30 tokens cannot both fit, so one is preempted.
-    return EngineCore(EngineConfig(model=str(demo_model_dir), num_kv_blocks=4, block_size=16,
-                                   max_num_batched_tokens=64))
+    return EngineCore(
+        EngineConfig(model=str(demo_model_dir), num_kv_blocks=4, block_size=16, max_num_batched_tokens=64)
+    )
 
 
 @pytest.fixture
@@ -73,8 +74,13 @@ def test_events_in_order_with_preemptions_and_the_frontend_as_parent(traced, cor
     for span in spans:
         names = [e.name for e in span.events]
         assert names[:2] == ["queued", "scheduled"] and names[-1] == "finished", names
-        assert names.count("first_token") == 1 and set(names) <= {"queued", "scheduled", "first_token",
-                                                                  "preempted", "finished"}
+        assert names.count("first_token") == 1 and set(names) <= {
+            "queued",
+            "scheduled",
+            "first_token",
+            "preempted",
+            "finished",
+        }
         times = [e.timestamp for e in span.events]
         assert times == sorted(times)
         num_preempted += names.count("preempted")

@@ -66,8 +66,9 @@ async def test_no_span_is_created_when_tracing_is_off(demo_model_dir, span_count
         traceparent = (("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{frontend.port}") as channel:
             stub = stub_of(channel)
-            responses = await generate(stub, text="hello", metadata=traceparent,
-                                       params=dict(max_tokens=4, ignore_eos=True, n=2))
+            responses = await generate(
+                stub, text="hello", metadata=traceparent, params=dict(max_tokens=4, ignore_eos=True, n=2)
+            )
             assert sum(r.usage.completion_tokens for r in responses if r.HasField("usage")) == 8
             await stub.Tokenize(g.TokenizeRequest(text="hello"), metadata=traceparent, timeout=10)
 

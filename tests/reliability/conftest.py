@@ -24,6 +24,7 @@ def shared(demo_model_dir):
 def procs():
     """Registers started services; all are stopped (SIGTERM, then SIGKILL) when the test ends."""
     with ExitStack() as stack:
+
         def run(proc: ServiceProcess) -> ServiceProcess:
             stack.callback(proc.terminate, 20.0)
             return proc

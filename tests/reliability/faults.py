@@ -51,8 +51,9 @@ async def wait_engine_drained(address: str, timeout: float = 10.0) -> float:
 
 
 def request(text: str = "Once upon a time", **params) -> g.GenerateRequest:
-    return g.GenerateRequest(text=text, return_token_ids=True,
-                             sampling_params=g.SamplingParams(temperature=0.0, ignore_eos=True, **params))
+    return g.GenerateRequest(
+        text=text, return_token_ids=True, sampling_params=g.SamplingParams(temperature=0.0, ignore_eos=True, **params)
+    )
 
 
 @dataclass

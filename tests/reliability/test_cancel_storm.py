@@ -14,10 +14,16 @@ import random
 
 import grpc
 
-from tests.rpc.frontend_calls import generate, stub_of
 from tests.reliability.faults import (
-    ENGINE_SERVICE, SERVING, CallRecord, read_call, request, wait_engine_drained, wait_health,
+    ENGINE_SERVICE,
+    SERVING,
+    CallRecord,
+    read_call,
+    request,
+    wait_engine_drained,
+    wait_health,
 )
+from tests.rpc.frontend_calls import generate, stub_of
 
 NUM_CLIENTS = 50
 CALLS_PER_CLIENT = 10
@@ -74,8 +80,9 @@ async def test_five_hundred_calls_with_cancels_and_deadlines(shared):
             if r.code == grpc.StatusCode.OK and r.completion_tokens is not None:
                 assert r.finish_reason and r.completion_tokens == r.max_tokens, (kind, r)
         assert codes[("deadline", "DEADLINE_EXCEEDED")] and codes[("cancel-after-pieces", "CANCELLED")], codes
-        foreign = [(r.call_index, r.token_ids) for _, r in results
-                   if any(t != _own_token(r.call_index) for t in r.token_ids)]
+        foreign = [
+            (r.call_index, r.token_ids) for _, r in results if any(t != _own_token(r.call_index) for t in r.token_ids)
+        ]
         assert not foreign, f"tokens reached the wrong call: {foreign[:5]}"
         assert sum(len(r.token_ids) for _, r in results) > 500  # the check saw real traffic
 

@@ -9,10 +9,16 @@ import grpc
 import pytest
 
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
-from tests.rpc.frontend_calls import generate, stub_of
 from tests.reliability.faults import (
-    NOT_SERVING, SERVING, CallRecord, free_port, read_call, request, wait_health,
+    NOT_SERVING,
+    SERVING,
+    CallRecord,
+    free_port,
+    read_call,
+    request,
+    wait_health,
 )
+from tests.rpc.frontend_calls import generate, stub_of
 from tests.services import start_engine, start_frontend
 
 NUM_CALLS = 6
@@ -28,8 +34,9 @@ async def test_engine_kill_fails_calls_fast_and_a_restart_is_picked_up(demo_mode
         started = [asyncio.Event() for _ in range(NUM_CALLS)]
         records = [CallRecord(max_tokens=1500) for _ in range(NUM_CALLS)]
         readers = [
-            asyncio.create_task(read_call(stub.Generate(request(f"story {i}", max_tokens=1500, n=1 + i % 2)),
-                                          records[i], started[i]))
+            asyncio.create_task(
+                read_call(stub.Generate(request(f"story {i}", max_tokens=1500, n=1 + i % 2)), records[i], started[i])
+            )
             for i in range(NUM_CALLS)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)

@@ -8,9 +8,9 @@ import time
 
 import grpc
 
+from tests.reliability.faults import CallRecord, read_call, request, wait_engine_drained
 from tests.rpc.engine_stream import EngineStream
 from tests.rpc.frontend_calls import engine_load, stub_of
-from tests.reliability.faults import CallRecord, read_call, request, wait_engine_drained
 from tests.services import start_frontend
 
 
@@ -18,8 +18,10 @@ async def test_frontend_kill_frees_everything_on_the_engine(shared):
     engine, _ = shared
     frontend = start_frontend(engine.address).wait_serving()
     try:
-        async with grpc.aio.insecure_channel(engine.address) as engine_channel, \
-                grpc.aio.insecure_channel(frontend.address) as channel:
+        async with (
+            grpc.aio.insecure_channel(engine.address) as engine_channel,
+            grpc.aio.insecure_channel(frontend.address) as channel,
+        ):
             # A bystander on its own engine stream, which must not notice anything.
             bystander = EngineStream(engine_channel)
             survivor = bystander.add("survivor", list(range(5, 40)), max_tokens=150, temperature=0.0, ignore_eos=True)

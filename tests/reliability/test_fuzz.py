@@ -26,14 +26,20 @@ U32, I32, U64 = (1 << 32) - 1, (1 << 31) - 1, (1 << 64) - 1
 VOCAB = 2048  # the demo model's
 MAX_MODEL_LEN = 2048
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
-FUZZ = settings(max_examples=60, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 text = st.text(st.characters(codec="utf-8"), max_size=40)
 # Far beyond the context (2048 tokens) yet quick to tokenize; test_limits.py goes bigger.
-huge_text = st.builds(lambda piece, n: (piece * n)[:40_000], st.text(st.characters(codec="utf-8"), min_size=1,
-                                                                        max_size=8), st.integers(1_000, 20_000))
+huge_text = st.builds(
+    lambda piece, n: (piece * n)[:40_000],
+    st.text(st.characters(codec="utf-8"), min_size=1, max_size=8),
+    st.integers(1_000, 20_000),
+)
 extreme_floats = st.one_of(
     st.floats(width=32, allow_nan=True, allow_infinity=True),
     st.sampled_from([-0.0, 1e-45, 1e-30, 100.1, 3.4e38, -3.4e38, math.inf, -math.inf, math.nan]),
@@ -81,8 +87,14 @@ def sampling_params(draw) -> g.SamplingParams:
         # max_tokens left unset means 16 tokens per choice: seldom, to keep examples quick.
         if draw(mostly(st.just(True), st.just(False), 8) if name == "max_tokens" else st.booleans()):
             setattr(p, name, draw(strategy))
-    p.stop.extend(draw(st.lists(mostly(text.filter(bool), st.one_of(st.just(""), huge_text)),
-                                max_size=draw(mostly(st.just(3), st.just(20))))))
+    p.stop.extend(
+        draw(
+            st.lists(
+                mostly(text.filter(bool), st.one_of(st.just(""), huge_text)),
+                max_size=draw(mostly(st.just(3), st.just(20))),
+            )
+        )
+    )
     p.stop_token_ids.extend(draw(st.lists(token_id, max_size=4)))
     for key, value in draw(st.dictionaries(token_id, mostly(unit(-100.0, 100.0), extreme_floats), max_size=4)).items():
         p.logit_bias[key] = value
@@ -93,8 +105,15 @@ def sampling_params(draw) -> g.SamplingParams:
 def chat(draw) -> g.ChatMessages:
     role = mostly(st.sampled_from(["system", "user", "assistant"]), text)
     content = mostly(text, huge_text)
-    chat = g.ChatMessages(messages=draw(st.lists(st.builds(g.ChatMessage, role=role, content=content),
-                                                 min_size=draw(mostly(st.just(1), st.just(0))), max_size=4)))
+    chat = g.ChatMessages(
+        messages=draw(
+            st.lists(
+                st.builds(g.ChatMessage, role=role, content=content),
+                min_size=draw(mostly(st.just(1), st.just(0))),
+                max_size=4,
+            )
+        )
+    )
     if draw(st.booleans()):
         chat.add_generation_prompt = draw(st.booleans())
     return chat
@@ -102,16 +121,21 @@ def chat(draw) -> g.ChatMessages:
 
 @st.composite
 def generate_requests(draw) -> g.GenerateRequest:
-    request = g.GenerateRequest(sampling_params=draw(sampling_params()), return_token_ids=draw(st.booleans()),
-                                request_id=draw(text), priority=draw(mostly(st.integers(-5, 5), extreme_i32)))
+    request = g.GenerateRequest(
+        sampling_params=draw(sampling_params()),
+        return_token_ids=draw(st.booleans()),
+        request_id=draw(text),
+        priority=draw(mostly(st.integers(-5, 5), extreme_i32)),
+    )
     kind = draw(mostly(st.sampled_from(["text", "token_ids", "messages"]), st.sampled_from(["huge_text", "none"])))
     if kind == "text":
         request.text = draw(mostly(text.filter(bool), st.just("")))
     elif kind == "huge_text":
         request.text = draw(huge_text)
     elif kind == "token_ids":
-        request.token_ids.ids.extend(draw(st.lists(token_id, min_size=draw(mostly(st.just(1), st.just(0))),
-                                                   max_size=64)))
+        request.token_ids.ids.extend(
+            draw(st.lists(token_id, min_size=draw(mostly(st.just(1), st.just(0))), max_size=64))
+        )
     elif kind == "messages":
         request.messages.CopyFrom(draw(chat()))
     if draw(st.booleans()):
@@ -155,11 +179,15 @@ def test_generate_answers_ok_or_invalid_argument(stub, request):
 
 
 @FUZZ
-@given(data=st.one_of(
-    st.builds(lambda t, a: g.TokenizeRequest(text=t, add_special_tokens=a), mostly(text, huge_text, 4), st.booleans()),
-    st.builds(lambda c: g.TokenizeRequest(messages=c), chat()),
-    st.just(g.TokenizeRequest()),
-))
+@given(
+    data=st.one_of(
+        st.builds(
+            lambda t, a: g.TokenizeRequest(text=t, add_special_tokens=a), mostly(text, huge_text, 4), st.booleans()
+        ),
+        st.builds(lambda c: g.TokenizeRequest(messages=c), chat()),
+        st.just(g.TokenizeRequest()),
+    )
+)
 def test_tokenize_answers_ok_or_invalid_argument(stub, data):
     _status(lambda: stub.Tokenize(data, timeout=60))
 
@@ -194,13 +222,16 @@ def test_lone_byte_tokens_round_trip(stub):
         assert again and stub.Detokenize(g.DetokenizeRequest(token_ids=again)).text == text
 
 
-@pytest.mark.parametrize("method, payload", [
-    ("Tokenize", b"\x0a\x02\xff\xfe"),  # text = two bytes that are no UTF-8
-    ("Generate", b"\x0a\x03\xc3\x28\x41"),  # text = an invalid two-byte sequence
-    ("Generate", b"\x22\x05\x5a\x03\xed\xa0\x80"),  # sampling_params.stop[0] = an encoded surrogate
-    ("Detokenize", b"\x0a\x03\x80\x80\x80"),  # token_ids: a truncated varint
-    ("GetModelInfo", b"\xff\xff\xff\xff"),  # no message at all
-])
+@pytest.mark.parametrize(
+    "method, payload",
+    [
+        ("Tokenize", b"\x0a\x02\xff\xfe"),  # text = two bytes that are no UTF-8
+        ("Generate", b"\x0a\x03\xc3\x28\x41"),  # text = an invalid two-byte sequence
+        ("Generate", b"\x22\x05\x5a\x03\xed\xa0\x80"),  # sampling_params.stop[0] = an encoded surrogate
+        ("Detokenize", b"\x0a\x03\x80\x80\x80"),  # token_ids: a truncated varint
+        ("GetModelInfo", b"\xff\xff\xff\xff"),  # no message at all
+    ],
+)
 def test_undecodable_messages_are_invalid_argument(shared, method, payload):
     """Bytes that no protobuf library would produce (a hand-written or broken client)."""
     with grpc.insecure_channel(shared[1].address) as channel:
@@ -218,8 +249,13 @@ async def test_malformed_engine_control_message_ends_only_its_stream(shared, bus
     """The engine's stream fails with INVALID_ARGUMENT at once, whether or not a step output
     is due, its requests are aborted, and the engine serves on."""
     engine, _ = shared
-    good = epb.StreamRequest(add=epb.Add(request_id="running", prompt_token_ids=[5, 6, 7],
-                                         sampling_params=epb.SamplingParams(max_tokens=1500, ignore_eos=True)))
+    good = epb.StreamRequest(
+        add=epb.Add(
+            request_id="running",
+            prompt_token_ids=[5, 6, 7],
+            sampling_params=epb.SamplingParams(max_tokens=1500, ignore_eos=True),
+        )
+    )
     bad = b"\x0a\x04\x0a\x02\xff\xfe"  # add { request_id: two bytes that are no UTF-8 }
     outbox: asyncio.Queue = asyncio.Queue()
 

@@ -15,11 +15,17 @@ import pytest
 
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
+from tests.reliability.faults import (
+    ENGINE_SERVICE,
+    SERVING,
+    CallRecord,
+    read_call,
+    request,
+    wait_engine_drained,
+    wait_health,
+)
 from tests.rpc.engine_stream import EngineStream
 from tests.rpc.frontend_calls import generate, stub_of
-from tests.reliability.faults import (
-    ENGINE_SERVICE, SERVING, CallRecord, read_call, request, wait_engine_drained, wait_health,
-)
 from tests.services import start_engine, start_frontend
 
 LIMIT = 1024 * 1024  # --max-message-bytes of the `limited` pair
@@ -46,8 +52,9 @@ def limited(demo_model_dir, tmp_path_factory):
             shutil.copy(f, model / f.name)
     with (model / "tokenizer.json").open("a") as f:
         f.write(" " * (LIMIT + 300_000))  # JSON allows trailing whitespace
-    engine = start_engine(model, "--num-kv-blocks", "128", "--max-num-seqs", "2", "--max-waiting", "2",
-                          "--max-message-bytes", str(LIMIT))
+    engine = start_engine(
+        model, "--num-kv-blocks", "128", "--max-num-seqs", "2", "--max-waiting", "2", "--max-message-bytes", str(LIMIT)
+    )
     frontend = None
     try:
         engine.wait_serving()
@@ -119,8 +126,12 @@ async def test_a_flood_beyond_the_waiting_queue_is_resource_exhausted(limited):
     async with grpc.aio.insecure_channel(frontend.address) as channel:
         stub = stub_of(channel)
         records = [CallRecord(max_tokens=24) for _ in range(60)]
-        await asyncio.wait_for(asyncio.gather(*(
-            read_call(stub.Generate(request(f"flood {i}", max_tokens=24)), r) for i, r in enumerate(records))), 120)
+        await asyncio.wait_for(
+            asyncio.gather(
+                *(read_call(stub.Generate(request(f"flood {i}", max_tokens=24)), r) for i, r in enumerate(records))
+            ),
+            120,
+        )
         codes = collections.Counter(r.code.name for r in records)
         assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"] >= 2, codes
         for r in records:

@@ -17,8 +17,8 @@ import time
 import grpc
 
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
-from tests.rpc.frontend_calls import stub_of
 from tests.reliability.faults import CallRecord, free_port, read_call, request, wait_engine_drained
+from tests.rpc.frontend_calls import stub_of
 from tests.services import start_engine, start_frontend
 
 NUM_SHORT_CLIENTS = 3

@@ -23,8 +23,10 @@ from tests.services import ServiceProcess, start_engine, start_frontend
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 WARNING = "WARNING engine_svc.service.server: the engine listens on 0.0.0.0"
-REMEDIES = ("Use mutual TLS (--tls-cert/--tls-key/--tls-ca) or restrict the port to frontends "
-            "(the Helm chart's NetworkPolicy does this).")
+REMEDIES = (
+    "Use mutual TLS (--tls-cert/--tls-key/--tls-ca) or restrict the port to frontends "
+    "(the Helm chart's NetworkPolicy does this)."
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +55,25 @@ def test_engine_on_a_public_address_without_tls_warns(shared, tmp_path):
     assert "listening on 127.0.0.1" in shared[0].log() and "WARNING engine_svc.service.server" not in shared[0].log()
 
 
-@pytest.mark.parametrize("tls, warning", [
-    ("server-only", "with TLS but without client certificates (--tls-ca)"),
-    ("mutual", None),
-    ("ca-without-certificate", "SystemExit"),
-], ids=["server-only", "mutual", "ca-without-certificate"])
+@pytest.mark.parametrize(
+    "tls, warning",
+    [
+        ("server-only", "with TLS but without client certificates (--tls-ca)"),
+        ("mutual", None),
+        ("ca-without-certificate", "SystemExit"),
+    ],
+    ids=["server-only", "mutual", "ca-without-certificate"],
+)
 async def test_engine_tls_variants_on_a_public_address(pki, caplog, tls, warning):
     """The same start-up checks in-process, for each TLS set-up (no model is loaded)."""
     from engine_svc.config import EngineConfig
     from engine_svc.service.server import EngineServer
 
-    files = {"server-only": dict(tls_cert=pki / "server.pem", tls_key=pki / "server.key"),
-             "mutual": dict(tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_ca=pki / "ca.pem"),
-             "ca-without-certificate": dict(tls_ca=pki / "ca.pem")}[tls]
+    files = {
+        "server-only": dict(tls_cert=pki / "server.pem", tls_key=pki / "server.key"),
+        "mutual": dict(tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_ca=pki / "ca.pem"),
+        "ca-without-certificate": dict(tls_ca=pki / "ca.pem"),
+    }[tls]
     server = EngineServer(EngineConfig(host="0.0.0.0", port=0, **{k: str(v) for k, v in files.items()}))
     caplog.set_level("INFO", logger="engine_svc.service.server")
     try:
@@ -87,8 +95,19 @@ async def test_engine_tls_variants_on_a_public_address(pki, caplog, tls, warning
 
 
 async def test_mutual_tls_engine_refuses_clients_without_a_certificate(demo_model_dir, pki, procs):
-    engine = procs(start_engine(demo_model_dir, "--num-kv-blocks", "64", "--tls-cert", str(pki / "server.pem"),
-                                "--tls-key", str(pki / "server.key"), "--tls-ca", str(pki / "ca.pem")))
+    engine = procs(
+        start_engine(
+            demo_model_dir,
+            "--num-kv-blocks",
+            "64",
+            "--tls-cert",
+            str(pki / "server.pem"),
+            "--tls-key",
+            str(pki / "server.key"),
+            "--tls-ca",
+            str(pki / "ca.pem"),
+        )
+    )
     await asyncio.to_thread(wait_serving_tls, engine, pki, client_cert=True)
 
     ca_only = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
@@ -99,9 +118,19 @@ async def test_mutual_tls_engine_refuses_clients_without_a_certificate(demo_mode
 
     # A frontend that trusts the engine but shows no certificate never gets a stream.
     no_cert = procs(start_frontend(engine.address, extra=("--engine-tls-ca", str(pki / "ca.pem")))).wait_listening()
-    with_cert = procs(start_frontend(engine.address, extra=(
-        "--engine-tls-ca", str(pki / "ca.pem"), "--engine-tls-cert", str(pki / "client.pem"),
-        "--engine-tls-key", str(pki / "client.key"))))
+    with_cert = procs(
+        start_frontend(
+            engine.address,
+            extra=(
+                "--engine-tls-ca",
+                str(pki / "ca.pem"),
+                "--engine-tls-cert",
+                str(pki / "client.pem"),
+                "--engine-tls-key",
+                str(pki / "client.key"),
+            ),
+        )
+    )
     await wait_health(with_cert, SERVING)
     await wait_health(no_cert, NOT_SERVING)
     async with grpc.aio.insecure_channel(no_cert.address) as channel:

@@ -59,9 +59,15 @@ class EngineStream:
 
     def add(self, request_id: str, prompt: list[int], **params) -> Result:
         result = self.results[request_id]
-        self._outbox.put_nowait(pb.StreamRequest(add=pb.Add(
-            request_id=request_id, prompt_token_ids=prompt, sampling_params=pb.SamplingParams(**params),
-        )))
+        self._outbox.put_nowait(
+            pb.StreamRequest(
+                add=pb.Add(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling_params=pb.SamplingParams(**params),
+                )
+            )
+        )
         return result
 
     def abort(self, *request_ids: str) -> None:

@@ -17,8 +17,9 @@ def stub_of(channel: grpc.aio.Channel) -> generate_pb2_grpc.GenerateServiceStub:
     return generate_pb2_grpc.GenerateServiceStub(channel)
 
 
-async def generate(stub, *, timeout: float = 120, metadata=None, return_token_ids: bool = True,
-                   **kw) -> list[g.GenerateResponse]:
+async def generate(
+    stub, *, timeout: float = 120, metadata=None, return_token_ids: bool = True, **kw
+) -> list[g.GenerateResponse]:
     """One Generate call; ``kw`` holds ``text``/``token_ids``/``messages`` and ``params``."""
     params = kw.pop("params", {})
     if "token_ids" in kw:

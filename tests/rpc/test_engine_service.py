@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
 
 import grpc
 import pytest
@@ -191,11 +190,26 @@ def test_sigterm_drains(demo_model_dir):
 
 
 def test_grpcurl_drives_the_stream(engine_proc):
-    body = "\n".join(json.dumps(m) for m in [
-        {"add": {"requestId": "a", "promptTokenIds": [5, 6, 7], "samplingParams": {"maxTokens": 3, "ignoreEos": True}}},
-        {"add": {"requestId": "b", "promptTokenIds": [5, 6, 7], "samplingParams": {"maxTokens": 4000, "ignoreEos": True}}},
-        {"abort": {"requestIds": ["b"]}},
-    ])
+    body = "\n".join(
+        json.dumps(m)
+        for m in [
+            {
+                "add": {
+                    "requestId": "a",
+                    "promptTokenIds": [5, 6, 7],
+                    "samplingParams": {"maxTokens": 3, "ignoreEos": True},
+                }
+            },
+            {
+                "add": {
+                    "requestId": "b",
+                    "promptTokenIds": [5, 6, 7],
+                    "samplingParams": {"maxTokens": 4000, "ignoreEos": True},
+                }
+            },
+            {"abort": {"requestIds": ["b"]}},
+        ]
+    )
     out = grpcurl("-plaintext", "-d", "@", engine_proc.address, "tandem.engine.v1.EngineService/Stream", stdin=body)
     messages = [json.loads(m) for m in _split_json_stream(out)]
     outputs = [o for m in messages for o in m.get("outputs", [])]

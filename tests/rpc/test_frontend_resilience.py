@@ -37,6 +37,7 @@ def free_port() -> int:
 def procs():
     """Collects started services and stops them all at the end of the test."""
     with ExitStack() as stack:
+
         def run(proc: ServiceProcess) -> ServiceProcess:
             stack.callback(proc.terminate)
             return proc
@@ -96,8 +97,9 @@ async def test_requests_spread_over_two_engines(demo_model_dir, procs):
     frontend = procs(start_frontend(*(e.address for e in engines))).wait_serving()
     async with frontend_stub(frontend) as stub:
         assert (await stub.GetModelInfo(g.GetModelInfoRequest())).num_engines == 2
-        calls = [stub.Generate(g.GenerateRequest(text=f"hi {i}", sampling_params=g.SamplingParams(**LONG)))
-                 for i in range(6)]
+        calls = [
+            stub.Generate(g.GenerateRequest(text=f"hi {i}", sampling_params=g.SamplingParams(**LONG))) for i in range(6)
+        ]
         readers = [asyncio.create_task(_first(c)) for c in calls]
         await asyncio.gather(*readers)
         loads = [await engine_load(e.address) for e in engines]
@@ -116,8 +118,11 @@ async def _first(call) -> None:
 async def test_dns_name_finds_the_engine_and_metrics_count_calls(demo_model_dir, procs):
     engine = procs(start_engine(demo_model_dir)).wait_serving()
     metrics_port = free_port()
-    frontend = procs(start_frontend(f"dns:///localhost:{engine.port}",
-                                    extra=("--dns-refresh-s", "1", "--metrics-port", str(metrics_port))))
+    frontend = procs(
+        start_frontend(
+            f"dns:///localhost:{engine.port}", extra=("--dns-refresh-s", "1", "--metrics-port", str(metrics_port))
+        )
+    )
     frontend.wait_serving()
     async with frontend_stub(frontend) as stub:
         responses = await generate(stub, text="hi", params=dict(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -162,9 +167,13 @@ async def test_sigterm_lets_in_flight_calls_finish(demo_model_dir, procs):
     engine = procs(start_engine(demo_model_dir)).wait_serving()
     frontend = procs(start_frontend(engine.address)).wait_serving()
     async with frontend_stub(frontend) as stub:
-        call = stub.Generate(g.GenerateRequest(
-            text="hi", return_token_ids=True,
-            sampling_params=g.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
+        call = stub.Generate(
+            g.GenerateRequest(
+                text="hi",
+                return_token_ids=True,
+                sampling_params=g.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
+            )
+        )
         responses = []
         async for r in call:
             if not responses:
@@ -177,6 +186,7 @@ async def test_sigterm_lets_in_flight_calls_finish(demo_model_dir, procs):
 
 async def _end_code(call, timeout: float):
     """The call's status once it ends, or None if it is still streaming after ``timeout``."""
+
     async def drain():
         try:
             async for _ in call:
@@ -197,8 +207,9 @@ async def test_killed_engine_of_two_fails_its_calls_and_is_used_again_after_rest
     other = procs(start_engine(demo_model_dir)).wait_serving()
     frontend = procs(start_frontend(doomed.address, other.address)).wait_serving()
     async with frontend_stub(frontend) as stub:
-        calls = [stub.Generate(g.GenerateRequest(text=f"hi {i}", sampling_params=g.SamplingParams(**LONG)))
-                 for i in range(6)]
+        calls = [
+            stub.Generate(g.GenerateRequest(text=f"hi {i}", sampling_params=g.SamplingParams(**LONG))) for i in range(6)
+        ]
         await asyncio.gather(*(_first(c) for c in calls))
         on_doomed = (await engine_load(doomed.address)).num_running
         assert on_doomed >= 1
@@ -210,15 +221,18 @@ async def test_killed_engine_of_two_fails_its_calls_and_is_used_again_after_rest
         for c in calls:
             c.cancel()
         for i in range(4):
-            assert ids_of(await generate(stub, text=f"after {i}", params=dict(max_tokens=3, temperature=0.0,
-                                                                              ignore_eos=True)))
+            assert ids_of(
+                await generate(stub, text=f"after {i}", params=dict(max_tokens=3, temperature=0.0, ignore_eos=True))
+            )
         procs(start_engine(demo_model_dir, port=port)).wait_serving()
         deadline = time.monotonic() + 30
         while (await stub.GetModelInfo(g.GetModelInfoRequest())).num_engines < 2:
             assert time.monotonic() < deadline, "the restarted engine was not reconnected"
             await asyncio.sleep(0.1)
-        calls = [stub.Generate(g.GenerateRequest(text=f"again {i}", sampling_params=g.SamplingParams(**LONG)))
-                 for i in range(6)]
+        calls = [
+            stub.Generate(g.GenerateRequest(text=f"again {i}", sampling_params=g.SamplingParams(**LONG)))
+            for i in range(6)
+        ]
         await asyncio.gather(*(_first(c) for c in calls))
         assert (await engine_load(doomed.address)).num_running >= 1  # the restarted engine takes work
         for c in calls:

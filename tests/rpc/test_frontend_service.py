@@ -110,8 +110,9 @@ async def test_stop_string_cuts_the_text_and_aborts_the_engine_request(stub, eng
     assert last.usage.completion_tokens < 60
     await wait_engine_idle(engine_address)
 
-    kept = await generate(stub, text=PROMPT, params=dict(max_tokens=60, stop=[stop], include_stop_str_in_output=True,
-                                                           **GREEDY))
+    kept = await generate(
+        stub, text=PROMPT, params=dict(max_tokens=60, stop=[stop], include_stop_str_in_output=True, **GREEDY)
+    )
     assert text_of(kept) == base[: cut + len(stop)]
 
 
@@ -126,8 +127,9 @@ async def test_stop_token_ids_end_the_choice(stub):
 
 
 async def test_chat_messages_use_the_chat_template(stub):
-    chat = g.ChatMessages(messages=[g.ChatMessage(role="system", content="Be brief."),
-                                    g.ChatMessage(role="user", content="Hello!")])
+    chat = g.ChatMessages(
+        messages=[g.ChatMessage(role="system", content="Be brief."), g.ChatMessage(role="user", content="Hello!")]
+    )
     tokenized = await stub.Tokenize(g.TokenizeRequest(messages=chat))
     assert len(tokenized.tokens) == len(tokenized.token_ids) > 4
     responses = await generate(stub, messages=chat, params=dict(max_tokens=5, **GREEDY))

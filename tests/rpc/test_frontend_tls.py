@@ -25,13 +25,30 @@ def _openssl(*args: str, cwd: Path) -> None:
 def make_pki(d: Path) -> Path:
     """A CA plus 'server' and 'client' certificates valid for 127.0.0.1 and localhost."""
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=tandem-test-ca",
-             "-days", "1", cwd=d)
+    _openssl(
+        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=tandem-test-ca", "-days", "1", cwd=d
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "1", "-extfile", "san.ext", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            cwd=d,
+        )
     return d
 
 
@@ -51,7 +68,10 @@ def wait_serving_tls(proc: ServiceProcess, pki: Path, *, client_cert: bool, time
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -62,16 +82,33 @@ def wait_serving_tls(proc: ServiceProcess, pki: Path, *, client_cert: bool, time
 
 async def test_tls_to_the_frontend_and_mutual_tls_to_the_engine(demo_model_dir, tmp_path):
     pki = make_pki(tmp_path)
-    engine = start_engine(demo_model_dir, "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-                          "--tls-ca", str(pki / "ca.pem"))
+    engine = start_engine(
+        demo_model_dir,
+        "--tls-cert",
+        str(pki / "server.pem"),
+        "--tls-key",
+        str(pki / "server.key"),
+        "--tls-ca",
+        str(pki / "ca.pem"),
+    )
     frontend = None
     try:
         wait_serving_tls(engine, pki, client_cert=True)
-        frontend = start_frontend(engine.address, extra=(
-            "--engine-tls-ca", str(pki / "ca.pem"), "--engine-tls-cert", str(pki / "client.pem"),
-            "--engine-tls-key", str(pki / "client.key"),
-            "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-        ))
+        frontend = start_frontend(
+            engine.address,
+            extra=(
+                "--engine-tls-ca",
+                str(pki / "ca.pem"),
+                "--engine-tls-cert",
+                str(pki / "client.pem"),
+                "--engine-tls-key",
+                str(pki / "client.key"),
+                "--tls-cert",
+                str(pki / "server.pem"),
+                "--tls-key",
+                str(pki / "server.key"),
+            ),
+        )
         await asyncio.to_thread(wait_serving_tls, frontend, pki, client_cert=False)
         creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
         async with grpc.aio.secure_channel(frontend.address, creds) as channel:

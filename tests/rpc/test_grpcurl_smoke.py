@@ -14,8 +14,9 @@ def _check(address: str, service: str) -> None:
     assert f"service {service.rsplit('.', 1)[1]}" in described
     health = json.loads(grpcurl("-plaintext", address, "grpc.health.v1.Health/Check"))
     assert health == {"status": "SERVING"}
-    named = json.loads(grpcurl("-plaintext", "-d", json.dumps({"service": service}), address,
-                               "grpc.health.v1.Health/Check"))
+    named = json.loads(
+        grpcurl("-plaintext", "-d", json.dumps({"service": service}), address, "grpc.health.v1.Health/Check")
+    )
     assert named == {"status": "SERVING"}
 
 
@@ -31,8 +32,11 @@ def test_help_of_every_command():
     from pathlib import Path
 
     bindir = Path(sys.executable).parent
-    for cmd, needle in [("tandem-engine", "--max-num-batched-tokens"), ("tandem-frontend", "--engine"),
-                        ("tandem", "serve")]:
+    for cmd, needle in [
+        ("tandem-engine", "--max-num-batched-tokens"),
+        ("tandem-frontend", "--engine"),
+        ("tandem", "serve"),
+    ]:
         exe = bindir / cmd
         result = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr

@@ -1,0 +1,53 @@
+"""The architecture's rules, held by tools: import contracts, lint and format, types.
+
+Each test runs the real tool over the tree, as a contributor would before a commit:
+    .venv/bin/lint-imports          contracts in pyproject.toml [tool.importlinter]
+    .venv/bin/ruff check . && .venv/bin/ruff format --check .
+    .venv/bin/mypy                  files and strictness in pyproject.toml [tool.mypy]
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: it is part of the test extras (pip install -e '.[test]')")
+    return found
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_import_contracts_hold():
+    result = _run(_tool("lint-imports"), "--no-cache")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_lint_is_clean():
+    result = _run(_tool("ruff"), "check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_clean():
+    result = _run(_tool("ruff"), "format", "--check", ".")
+    assert result.returncode == 0, "run `ruff format .`:\n" + result.stdout + result.stderr
+
+
+def test_mypy_is_clean():
+    result = _run(_tool("mypy"))
+    assert result.returncode == 0, result.stdout + result.stderr
