@@ -6,7 +6,9 @@
     raw logits ─▶ log_softmax ─▶ chosen token's logprob and rank, top alternatives
 
 Per-row parameters become tensors once per call, and a stage that no row uses costs
-nothing (an all-greedy batch without penalties is one argmax). The order and semantics
+nothing (an all-greedy batch without penalties is one argmax). A request's logit_bias
+and the ids min_tokens blocks become tensors once, when the request first comes
+(``_RequestLists``): those lists may hold thousands of ids and are never scanned per step. The order and semantics
 follow vLLM so results can be compared. Parameter tensors travel host -> device without
 waiting, so the only host sync is reading the chosen tokens (and logprobs) back.
 
@@ -45,6 +47,7 @@ class Sampler:
         self.generator.seed()
         self._seeded_generators: dict[str, torch.Generator] = {}
         self._token_counts = _TokenCounts(vocab_size, self.device)
+        self._lists = _RequestLists(vocab_size, self.device)
 
     # ------------------------------------------------------------------ public API
 
@@ -83,6 +86,7 @@ class Sampler:
         for request_id in request_ids:
             self._seeded_generators.pop(request_id, None)
             self._token_counts.forget(request_id)
+            self._lists.forget(request_id)
 
     # ------------------------------------------------------------ logits processing
 
@@ -97,48 +101,43 @@ class Sampler:
         penalised = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
         if bias is None and blocked is None and not penalised:
             return raw
-        x = raw.to(torch.float32, copy=True)  # [num_rows, vocab]
+        x = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [num_rows, vocab]
+        flat = x.view(-1)  # [num_rows * vocab]: entries are addressed as row * vocab + token id
         if bias is not None:
-            rows, cols, values = bias
-            x.index_put_((rows, cols), values, accumulate=True)
+            cells, values = bias
+            flat.index_add_(0, cells, values)
         if blocked is not None:
-            x[blocked] = float("-inf")
+            flat.index_fill_(0, blocked, float("-inf"))
         if penalised:
             self._apply_penalties(x, requests, penalised)
         return x
 
     def _logit_bias_entries(self, requests: Sequence[RequestView]):
-        rows, cols, values = [], [], []
+        """(flat cells, values) of every row's logit_bias, or None; a cell is row * vocab + token id."""
+        cells, values = [], []
         for i, r in enumerate(requests):
-            for token_id, bias in r.sampling_params.logit_bias.items():
-                if 0 <= token_id < self.vocab_size:
-                    rows.append(i)
-                    cols.append(token_id)
-                    values.append(bias)
-        if not rows:
+            if not r.sampling_params.logit_bias:
+                continue
+            entry = self._lists.get(r)
+            if entry.bias_cols is not None and entry.bias_values is not None:
+                cells.append(entry.bias_cols + i * self.vocab_size)
+                values.append(entry.bias_values)
+        if not cells:
             return None
-        return self._tensor(rows), self._tensor(cols), self._tensor(values, torch.float32)
+        return torch.cat(cells), torch.cat(values)
 
     def _min_tokens_entries(self, requests: Sequence[RequestView]):
-        """(rows, cols) of EOS and stop tokens that may not be sampled yet.
+        """Flat cells (row * vocab + token id) of EOS and stop tokens that may not be sampled yet, or None.
 
         EOS is left alone under ignore_eos (as in vLLM): it would not stop the request then.
         """
-        rows, cols = [], []
+        cells = []
         for i, r in enumerate(requests):
-            params = r.sampling_params
-            if r.num_output_tokens >= params.min_tokens:
-                continue
-            stops = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                stops += r.eos_token_ids
-            for token_id in stops:
-                if 0 <= token_id < self.vocab_size:
-                    rows.append(i)
-                    cols.append(token_id)
-        if not rows:
-            return None
-        return self._tensor(rows), self._tensor(cols)
+            if r.num_output_tokens < r.sampling_params.min_tokens:
+                cols = self._lists.get(r).min_tokens_cols
+                if cols is not None:
+                    cells.append(cols + i * self.vocab_size)
+        return torch.cat(cells) if cells else None
 
     def _apply_penalties(self, x: torch.Tensor, requests: Sequence[RequestView], penalised: list[int]) -> None:
         """Repetition (HF: prompt + output tokens), presence and frequency (OpenAI: output only)."""
@@ -266,6 +265,52 @@ class Sampler:
 
     def _column(self, values: list[float]) -> torch.Tensor:
         return self._tensor(values, torch.float32).unsqueeze(1)  # [rows, 1]
+
+
+@dataclass
+class _Lists:
+    """One request's id lists as device tensors (None where empty)."""
+
+    owner: RequestView
+    bias_cols: torch.Tensor | None  # [n] long: logit_bias token ids within the vocabulary
+    bias_values: torch.Tensor | None  # [n] float32
+    min_tokens_cols: torch.Tensor | None  # [m] long: stop ids (+ EOS unless ignore_eos), unique
+
+
+class _RequestLists:
+    """Each request's logit_bias and min_tokens ids, turned into tensors once.
+
+    A request may carry thousands of stop token ids and bias entries; building them per
+    step would cost every other request in the batch that much host time per token.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._lists: dict[str, _Lists] = {}
+
+    def get(self, r: RequestView) -> _Lists:
+        entry = self._lists.get(r.request_id)
+        if entry is None or entry.owner is not r:  # new, or the id now names another request
+            entry = self._lists[r.request_id] = self._build(r)
+        return entry
+
+    def forget(self, request_id: str) -> None:
+        self._lists.pop(request_id, None)
+
+    def _build(self, r: RequestView) -> _Lists:
+        params = r.sampling_params
+        bias = {t: b for t, b in params.logit_bias.items() if 0 <= t < self.vocab_size}
+        blocked = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            blocked.update(r.eos_token_ids)
+        blocked_ids = sorted(t for t in blocked if 0 <= t < self.vocab_size)
+        return _Lists(
+            owner=r,
+            bias_cols=_to_device(list(bias), torch.long, self.device) if bias else None,
+            bias_values=_to_device(list(bias.values()), torch.float32, self.device) if bias else None,
+            min_tokens_cols=_to_device(blocked_ids, torch.long, self.device) if blocked_ids else None,
+        )
 
 
 class _TokenCounts:
