@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_svc.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from engine_svc.config import EngineConfig
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import EngineOutput, EngineStats, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
@@ -54,20 +54,18 @@ class EngineCore:
             model_dir = str(ensure_demo_model())
         self.model_dir = Path(model_dir)
         self.model_name = config.served_model_name or self.model_dir.name
-        kv_bytes = config.kv_cache_bytes
-        if config.num_kv_blocks is None and kv_bytes is None:
-            kv_bytes = DEFAULT_KV_CACHE_BYTES
         self.runner = ModelRunner(
             str(self.model_dir),
             device=config.device,
             dtype=config.dtype,
             block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks,
-            kv_cache_bytes=kv_bytes,
+            kv_cache_bytes=config.kv_cache_bytes,  # both None: sized from the model
             max_model_len=config.max_model_len,
             seed=config.seed,
             kernels=config.kernels,
             batch_size_hint=config.max_num_seqs,
+            max_num_seqs=config.max_num_seqs,
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -82,7 +80,9 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
         )
-        self.limits = AdmissionLimits(self.vocab_size, self.max_model_len, config.max_waiting)
+        self.limits = AdmissionLimits(
+            self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
+        )
         self.draining = False  # refuse new requests (UNAVAILABLE); running ones go on
         self._last_step: StepStats | None = None
         self.num_steps = 0
@@ -114,7 +114,6 @@ class EngineCore:
             self.limits,
             num_waiting=self.scheduler.num_waiting,
             draining=self.draining,
-            pool_error=self.kv_cache.pool_error(request.num_tokens),
         )
         if error is not None:
             return self.refuse(request, error)

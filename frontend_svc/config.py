@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from tandem_common.flags import LOG_LEVELS, HelpFormatter, message_bytes, metrics_port, port, seconds
 
 
 @dataclass
@@ -56,8 +59,8 @@ class FrontendConfig:
             problems.append("--stream-interval must be at least 1")
         if self.max_stop_strings < 0:
             problems.append("--max-stop-strings must be >= 0")
-        if self.dns_refresh_s <= 0:
-            problems.append("--dns-refresh-s must be positive")
+        if not 0 < self.dns_refresh_s < math.inf:
+            problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
         # A blank key would match an empty bearer token (the file is checked at start-up).
         if any(not key.strip() for key in self.api_keys):
             problems.append("--api-key must not be empty or blank")
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem-frontend",
         description="Tandem frontend: the public gRPC API (tandem.generate.v1.GenerateService). "
         "Validates, tokenizes, routes each request to an engine and streams text back.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     e = p.add_argument_group("engines")
     e.add_argument(
@@ -117,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = p.add_argument_group("server")
     n.add_argument("--host", default=d.host, help="address to listen on")
-    n.add_argument("--port", type=int, default=d.port, help="gRPC port (0 picks a free one)")
-    n.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
+    n.add_argument("--port", type=port, default=d.port, help="gRPC port (0 picks a free one)")
+    n.add_argument(
+        "--max-message-bytes", type=message_bytes, default=d.max_message_bytes, help="gRPC message size limit"
+    )
     n.add_argument(
         "--ready-file",
         default=None,
@@ -128,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=seconds,
         default=d.shutdown_timeout,
         help="seconds in-flight calls may take to finish after SIGTERM",
     )
@@ -158,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ERROR")
+    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
+    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
     o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
     o.add_argument(
         "--otlp-endpoint",
