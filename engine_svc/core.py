@@ -126,14 +126,24 @@ class EngineCore:
         request.finish(FinishReason.ERROR, error=error)
         return request_output(request)
 
-    def abort(self, request_ids: Iterable[str]) -> list[EngineOutput]:
-        return self.scheduler.abort_requests(request_ids)
+    def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> list[EngineOutput]:
+        return self.scheduler.abort_requests(request_ids, reason)
+
+    def pause(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.pause_requests(request_ids)
+
+    def resume(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.resume_requests(request_ids)
 
     def fail(self, request_ids: Iterable[str], error: RequestError) -> list[EngineOutput]:
         return self.scheduler.fail_requests(request_ids, error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Whether a step could advance anything (paused requests cannot)."""
+        return self.scheduler.has_work()
 
     # -- the step -----------------------------------------------------------------------
 
@@ -155,6 +165,7 @@ class EngineCore:
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
+            num_paused=sched.num_paused,
             num_used_blocks=kv.num_used_blocks,
             kv_cache_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,

@@ -87,6 +87,18 @@ class EngineOutput:
 
 
 @dataclass(frozen=True)
+class RejectedAdd:
+    """An add refused without becoming a request: its id is in flight on its stream.
+
+    Not an EngineOutput, so it can never finish (or be mistaken for) the live request
+    of the same id.
+    """
+
+    request_id: str
+    error: RequestError
+
+
+@dataclass(frozen=True)
 class StepStats:
     """The figures of one engine step."""
 
@@ -105,6 +117,7 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    num_paused: int = 0  # held back because their stream's reader lags (not in num_waiting)
     num_used_blocks: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0

@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; num_computed_tokens may be > 0 only through prefix-cache hits
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     PREEMPTED = "preempted"  # blocks were taken back; waits to be recomputed
+    PAUSED = "paused"  # held back (its stream's reader lags); holds no blocks, not scheduled
     FINISHED = "finished"
 
 

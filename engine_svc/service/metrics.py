@@ -17,11 +17,14 @@ from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, 
 
 
 class EngineMetrics(RequestListener):
-    def __init__(self, port: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, port: int, registry: CollectorRegistry | None = None, host: str = "127.0.0.1") -> None:
         self.registry = registry or new_registry()
         r = self.registry
         self.running = Gauge("tandem_engine_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("tandem_engine_requests_waiting", "Requests queued", registry=r)
+        self.paused = Gauge(
+            "tandem_engine_requests_paused", "Requests held back because their stream's reader lags", registry=r
+        )
         self.kv_usage = Gauge("tandem_engine_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.hit_rate = Gauge(
             "tandem_engine_prefix_cache_hit_ratio",
@@ -80,7 +83,7 @@ class EngineMetrics(RequestListener):
         self._preemptions_seen = 0
         self.port = port
         if port:
-            serve_metrics(port, r)
+            serve_metrics(port, r, host=host)
 
     def attach(self, engine: EngineLoop) -> None:
         """Start observing ``engine``; call before ``engine.start()``."""
@@ -90,6 +93,7 @@ class EngineMetrics(RequestListener):
     def observe(self, stats: EngineStats, outputs: list[EngineOutput]) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.paused.set(stats.num_paused)
         self.kv_usage.set(stats.kv_cache_usage)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         if stats.step is not None:

@@ -1,7 +1,10 @@
 """EngineService over gRPC: the only engine module that knows protobuf.
 
 It converts control messages into plain commands for the EngineLoop and per-step
-EngineOutputs back into StreamResponses.
+EngineOutputs back into StreamResponses. Each stream's outputs wait in a bounded
+StreamBacklog (service/backlog.py) until its reader takes them: a reader that lags gets
+merged, split messages, and one that lags far pauses its requests instead of making the
+engine buffer without bound.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine_svc.outputs import EngineOutput, EngineStats
+from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
+from engine_svc.service.backlog import (
+    MAX_MESSAGE_BYTES,
+    MAX_OUTPUTS_PER_MESSAGE,
+    MESSAGE_OVERHEAD_BYTES,
+    Batch,
+    StreamBacklog,
+)
 from engine_svc.service.engine_loop import AddCommand, EngineLoop
 from engine_svc.types import DEFAULT_MAX_TOKENS, ErrorCode, FinishReason, Logprob, SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
@@ -50,6 +60,14 @@ _ERROR = {
     ErrorCode.UNAVAILABLE: pb.ERROR_CODE_UNAVAILABLE,
     ErrorCode.INTERNAL: pb.ERROR_CODE_INTERNAL,
 }
+# What an Abort's reason makes its requests finish with.
+_ABORT_FINISH = {
+    pb.ABORT_REASON_UNSPECIFIED: FinishReason.ABORT,
+    pb.ABORT_REASON_CANCELLED: FinishReason.ABORT,
+    pb.ABORT_REASON_STOP_STRING: FinishReason.STOP,
+}
+# Request ids are echoed in every output; longer ones could not fit a bounded message.
+MAX_REQUEST_ID_BYTES = 1024
 
 
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -96,14 +114,30 @@ def output_to_proto(out: EngineOutput) -> pb.RequestOutput:
     if out.stop_token_id is not None:
         msg.stop_token_id = out.stop_token_id
     if out.error is not None:
-        msg.error.CopyFrom(pb.Error(code=_ERROR[out.error.code], message=out.error.message, field=out.error.field))
+        msg.error.CopyFrom(_error_to_proto(out.error))
     return msg
+
+
+def _error_to_proto(error) -> pb.Error:
+    return pb.Error(code=_ERROR[error.code], message=error.message, field=error.field)
+
+
+def batch_to_proto(batch: Batch) -> pb.StreamResponse:
+    response = pb.StreamResponse(outputs=[output_to_proto(o) for o in batch.outputs])
+    if batch.rejected:
+        response.rejected.extend(
+            pb.RejectedAdd(request_id=r.request_id, error=_error_to_proto(r.error)) for r in batch.rejected
+        )
+    if batch.stats is not None:
+        response.load.CopyFrom(load_to_proto(batch.stats))
+    return response
 
 
 def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
     return pb.EngineLoad(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
+        num_paused=stats.num_paused,
         kv_cache_usage=stats.kv_cache_usage,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_used_blocks=stats.num_used_blocks,
@@ -111,12 +145,16 @@ def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
     )
 
 
+class _MalformedCommand(ValueError):
+    """A control message that parses but breaks the protocol; ends the stream."""
+
+
 async def _raise_reader_failure(reader: asyncio.Task, context) -> None:
     """Ends the Stream call with its reader's failure, if the reader failed."""
     if not reader.done() or reader.cancelled() or reader.exception() is None:
         return
     error = reader.exception()
-    if isinstance(error, DecodeError):
+    if isinstance(error, (DecodeError, _MalformedCommand)):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed control message: {error}")
     raise error
 
@@ -124,13 +162,18 @@ async def _raise_reader_failure(reader: asyncio.Task, context) -> None:
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one EngineLoop. ``loop`` is None until the model is loaded and warmed up."""
 
-    def __init__(self, max_message_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(self, max_message_bytes: int = 16 * 1024 * 1024, stream_backlog_bytes: int = 16 << 20) -> None:
         self.engine: EngineLoop | None = None
         self.model_info: pb.GetModelInfoResponse | None = None
         self.model_dir: Path | None = None
         # A chunk plus its header must fit the server's send limit (--max-message-bytes),
         # or a tokenizer.json larger than the limit could never be handed out.
         self.tokenizer_chunk_bytes = max(1024, min(TOKENIZER_CHUNK_BYTES, max_message_bytes - _CHUNK_HEADROOM_BYTES))
+        # Stream messages stay well under the limit: a quarter of it, 4 MiB at most.
+        self.stream_message_bytes = min(MAX_MESSAGE_BYTES, max_message_bytes // 4)
+        self.stream_backlog_bytes = stream_backlog_bytes
+        self._open_streams: set[int] = set()
+        self._closing = False  # shutting down: open streams end once flushed, new ones are refused
 
     def attach(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse, model_dir: Path) -> None:
         self.engine, self.model_info, self.model_dir = engine, model_info, model_dir
@@ -140,48 +183,90 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model; retry shortly")
         return self.engine
 
+    async def close_streams(self, timeout: float) -> None:
+        """Shutdown: end every open Stream with UNAVAILABLE once its last outputs are sent.
+
+        The engine half-closes every stream (after the requests' final outputs), so each
+        writer sends what it holds and ends its call. Ending them here, rather than leaving
+        them to the server's stop, keeps a routine shutdown from cancelling the handlers
+        (which gRPC logs as errors with tracebacks).
+        """
+        self._closing = True
+        if self.engine is not None:
+            self.engine.half_close_all()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._open_streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+
     async def Stream(self, request_iterator, context):
         engine = await self._require_engine(context)
-        queue: asyncio.Queue = asyncio.Queue()
+        if self._closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down; use another engine")
+        backlog = StreamBacklog(
+            max_message_bytes=self.stream_message_bytes - MESSAGE_OVERHEAD_BYTES,  # the load figures take the rest
+            max_outputs=MAX_OUTPUTS_PER_MESSAGE,
+            pause_bytes=self.stream_backlog_bytes,
+        )
         loop = asyncio.get_running_loop()
-        sid = engine.open_stream(lambda outs, load: loop.call_soon_threadsafe(queue.put_nowait, (outs, load)))
-        reader = asyncio.create_task(self._read_commands(engine, sid, request_iterator))
+        wake = asyncio.Event()  # the backlog has something, or the reader failed
+        taken = asyncio.Event()  # the writer took from the backlog (the reader may go on)
 
-        def wake_on_failure(task: asyncio.Task) -> None:
-            # A malformed control message must end the call even when no step output is due.
-            if not task.cancelled() and task.exception() is not None:
-                queue.put_nowait((None, None))
+        def sink(items: list[EngineOutput | RejectedAdd] | None, stats: EngineStats) -> bool:
+            """On the engine thread: queue, wake the writer; True asks to pause the stream."""
+            lagging = False
+            if items is None:
+                backlog.finish(stats)
+            else:
+                lagging = backlog.put(items, stats)
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the event loop closed (server shutdown): nobody reads
+                pass
+            return lagging
 
-        reader.add_done_callback(wake_on_failure)
+        sid = engine.open_stream(sink)
+        self._open_streams.add(sid)
+        if self._closing:  # opened while the engine was half-closing the others
+            engine.half_close(sid)
+        reader = asyncio.create_task(self._read_commands(engine, sid, request_iterator, backlog, taken))
+        # A malformed control message must end the call even when no step output is due.
+        reader.add_done_callback(lambda _: wake.set())
         try:
             while True:
-                outs, load = await queue.get()
-                if outs is None:
-                    await _raise_reader_failure(reader, context)
-                    return
-                batch = list(outs)
-                # A reader that fell behind gets the queued steps merged into one message.
-                done = False
-                while not queue.empty():
-                    more, load = queue.get_nowait()
-                    if more is None:
-                        done = True
-                        break
-                    batch.extend(more)
-                yield pb.StreamResponse(outputs=[output_to_proto(o) for o in batch], load=load_to_proto(load))
+                await wake.wait()
+                wake.clear()
                 await _raise_reader_failure(reader, context)
-                if done:
-                    return
+                while True:
+                    batch = backlog.take()
+                    if batch.resume:
+                        engine.resume_stream(sid)
+                    if batch.outputs or batch.rejected:
+                        yield batch_to_proto(batch)
+                        taken.set()
+                        await _raise_reader_failure(reader, context)
+                    if batch.done:
+                        if self._closing:
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine shut down; use another engine")
+                        return
+                    if not (batch.outputs or batch.rejected):
+                        break
         finally:
+            self._open_streams.discard(sid)
             reader.cancel()
             engine.close_stream(sid)
 
-    async def _read_commands(self, engine: EngineLoop, sid: int, request_iterator) -> None:
+    async def _read_commands(
+        self, engine: EngineLoop, sid: int, request_iterator, backlog: StreamBacklog, taken: asyncio.Event
+    ) -> None:
         try:
             async for msg in request_iterator:
                 action = msg.WhichOneof("action")
                 if action == "add":
                     add = msg.add
+                    if len(add.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+                        raise _MalformedCommand(
+                            f"request_id is {len(add.request_id.encode())} bytes; at most {MAX_REQUEST_ID_BYTES}"
+                        )
                     engine.add(
                         sid,
                         AddCommand(
@@ -194,7 +279,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                         ),
                     )
                 elif action == "abort":
-                    engine.abort(sid, list(msg.abort.request_ids))
+                    reason = _ABORT_FINISH.get(msg.abort.reason, FinishReason.ABORT)
+                    engine.abort(sid, list(msg.abort.request_ids), reason)
+                # Far behind: stop reading, so HTTP/2 flow control holds the client's writes.
+                while backlog.over_read_limit:
+                    taken.clear()
+                    await taken.wait()
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             engine.close_stream(sid)
             raise

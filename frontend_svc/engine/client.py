@@ -195,6 +195,12 @@ class EngineClient:
     def _on_response(self, response: engine_pb2.StreamResponse) -> None:
         if response.HasField("load"):
             self._set_load(response.load)
+        for rejected in response.rejected:
+            # Only a duplicate request id is rejected, and ids here are unique uuid4s: the
+            # live request of that id goes on, so there is nothing to deliver.
+            logger.warning(
+                "engine %s rejected an add for %s: %s", self.address, rejected.request_id, rejected.error.message
+            )
         for o in response.outputs:
             handle = self._requests.get(o.request_id)
             if handle is None:
@@ -244,8 +250,9 @@ class EngineClient:
         )
         return handle
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], *, stop_string: bool = False) -> None:
         """Ask the engine to stop these requests; later outputs for them are dropped.
+        ``stop_string``: they are complete (the engine counts them as stopped, not aborted).
 
         Their state stays until the engine confirms (or ABORT_CONFIRM_TIMEOUT_S passes),
         so they keep counting as outstanding work on this engine meanwhile.
@@ -258,7 +265,7 @@ class EngineClient:
                 ids.append(rid)
                 asyncio.get_running_loop().call_later(ABORT_CONFIRM_TIMEOUT_S, self._forget, handle)
         if ids and self._outbox is not None:
-            self._outbox.put_nowait(convert.abort_request(ids))
+            self._outbox.put_nowait(convert.abort_request(ids, stop_string=stop_string))
 
     def _forget(self, handle: RequestHandle) -> None:
         if self._requests.get(handle.request_id) is handle:

@@ -51,8 +51,10 @@ def add_request(
     return engine_pb2.StreamRequest(add=add)
 
 
-def abort_request(request_ids: list[str]) -> engine_pb2.StreamRequest:
-    return engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=request_ids))
+def abort_request(request_ids: list[str], *, stop_string: bool = False) -> engine_pb2.StreamRequest:
+    """``stop_string``: the requests are complete (a stop string matched), not cancelled."""
+    reason = engine_pb2.ABORT_REASON_STOP_STRING if stop_string else engine_pb2.ABORT_REASON_CANCELLED
+    return engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=request_ids, reason=reason))
 
 
 def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:

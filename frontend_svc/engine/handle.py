@@ -78,8 +78,8 @@ class RequestHandle:
             raise self._error
         return out
 
-    def abort(self) -> None:
-        self.client.abort([self.request_id])
+    def abort(self, *, stop_string: bool = False) -> None:
+        self.client.abort([self.request_id], stop_string=stop_string)
 
     def __aiter__(self) -> RequestHandle:
         return self

@@ -162,8 +162,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                     piece = choices[i].process(out)
                     if piece is None:
                         continue
-                    if piece.abort_engine:
-                        handles[i].abort()
+                    if piece.abort_engine:  # a stop string ended it: the engine counts a stop
+                        handles[i].abort(stop_string=True)
                     if piece.finished:
                         unfinished.discard(i)
                     stats.piece(piece)

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ABORT_REASON_UNSPECIFIED: _ClassVar[AbortReason]
+    ABORT_REASON_CANCELLED: _ClassVar[AbortReason]
+    ABORT_REASON_STOP_STRING: _ClassVar[AbortReason]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -22,6 +28,9 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+ABORT_REASON_UNSPECIFIED: AbortReason
+ABORT_REASON_CANCELLED: AbortReason
+ABORT_REASON_STOP_STRING: AbortReason
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -106,18 +115,30 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class Abort(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "reason")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    reason: AbortReason
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("outputs", "load")
+    __slots__ = ("outputs", "load", "rejected")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     load: EngineLoad
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedAdd]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., rejected: _Optional[_Iterable[_Union[RejectedAdd, _Mapping]]] = ...) -> None: ...
+
+class RejectedAdd(_message.Message):
+    __slots__ = ("request_id", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error: Error
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_cached_tokens", "error")
@@ -172,20 +193,22 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining", "num_paused")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAUSED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     prefix_cache_hit_rate: float
     num_used_blocks: int
     draining: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_paused: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_paused: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -39,8 +39,21 @@ class EngineServiceStub:
 
     Error semantics: per-request failures (invalid parameters, prompt longer than the
     context, queue full, engine draining) arrive in band as a RequestOutput with
-    finish_reason ERROR and an Error; they never end the shared stream. The stream itself
-    fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+    finish_reason ERROR and an Error; they never end the shared stream. An add whose
+    request_id is already in flight is refused in StreamResponse.rejected instead, so that
+    the live request of that id still finishes exactly once. The stream itself fails only
+    for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Flow control: every StreamResponse stays well under the engine's --max-message-bytes
+    (at most a quarter of it, and at most 4 MiB) and carries at most 256 outputs; a backlog
+    is split over several messages, one request's output possibly over consecutive ones.
+    A reader that falls behind does not make the engine buffer without bound: once more
+    than --stream-backlog-bytes of output waits unsent on a stream, the engine pauses every
+    request of that stream (they stop advancing and give back their KV blocks, so other
+    streams lose nothing) and resumes them, from where they were, once the backlog is down
+    to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
+    requests only take longer. While the backlog is above twice the bound the engine also
+    stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
     """
 
     def __init__(self, channel):
@@ -85,8 +98,21 @@ class EngineServiceServicer:
 
     Error semantics: per-request failures (invalid parameters, prompt longer than the
     context, queue full, engine draining) arrive in band as a RequestOutput with
-    finish_reason ERROR and an Error; they never end the shared stream. The stream itself
-    fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+    finish_reason ERROR and an Error; they never end the shared stream. An add whose
+    request_id is already in flight is refused in StreamResponse.rejected instead, so that
+    the live request of that id still finishes exactly once. The stream itself fails only
+    for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Flow control: every StreamResponse stays well under the engine's --max-message-bytes
+    (at most a quarter of it, and at most 4 MiB) and carries at most 256 outputs; a backlog
+    is split over several messages, one request's output possibly over consecutive ones.
+    A reader that falls behind does not make the engine buffer without bound: once more
+    than --stream-backlog-bytes of output waits unsent on a stream, the engine pauses every
+    request of that stream (they stop advancing and give back their KV blocks, so other
+    streams lose nothing) and resumes them, from where they were, once the backlog is down
+    to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
+    requests only take longer. While the backlog is above twice the bound the engine also
+    stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
     """
 
     def Stream(self, request_iterator, context):
@@ -164,8 +190,21 @@ class EngineService:
 
     Error semantics: per-request failures (invalid parameters, prompt longer than the
     context, queue full, engine draining) arrive in band as a RequestOutput with
-    finish_reason ERROR and an Error; they never end the shared stream. The stream itself
-    fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+    finish_reason ERROR and an Error; they never end the shared stream. An add whose
+    request_id is already in flight is refused in StreamResponse.rejected instead, so that
+    the live request of that id still finishes exactly once. The stream itself fails only
+    for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Flow control: every StreamResponse stays well under the engine's --max-message-bytes
+    (at most a quarter of it, and at most 4 MiB) and carries at most 256 outputs; a backlog
+    is split over several messages, one request's output possibly over consecutive ones.
+    A reader that falls behind does not make the engine buffer without bound: once more
+    than --stream-backlog-bytes of output waits unsent on a stream, the engine pauses every
+    request of that stream (they stop advancing and give back their KV blocks, so other
+    streams lose nothing) and resumes them, from where they were, once the backlog is down
+    to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
+    requests only take longer. While the backlog is above twice the bound the engine also
+    stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
     """
 
     @staticmethod
