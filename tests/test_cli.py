@@ -110,8 +110,25 @@ def _has_both(cli: Cli) -> bool:
     return "engine_svc" in commands and "frontend_svc" in commands
 
 
-def test_a_model_that_fails_to_load_ends_serve_at_once_with_the_reason(tmp_path):
-    cli = Cli("serve", "--model", str(tmp_path / "no-such-model"), "--port", "0", "--engine-port", "0")
+def _broken_model(demo_model_dir: Path, tmp_path: Path) -> Path:
+    """The demo model without its last layer's weights: the engine listens, reads the
+    weights, and only then fails (as a real model with a bad checkpoint would)."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in demo_model_dir.iterdir():
+        if f.suffix == ".safetensors":
+            weights = load_file(f)
+            save_file({k: v for k, v in weights.items() if ".layers.3." not in k}, broken / f.name)
+        else:
+            (broken / f.name).write_bytes(f.read_bytes())
+    return broken
+
+
+def test_a_model_that_fails_to_load_ends_serve_at_once_with_the_reason(demo_model_dir, tmp_path):
+    model = _broken_model(demo_model_dir, tmp_path)
+    cli = Cli("serve", "--model", str(model), "--port", "0", "--engine-port", "0")
     try:
         assert cli.wait_exit(90) == 1  # it used to wait 300 s for a frontend that never serves
         err = "".join(cli.stderr)

@@ -175,13 +175,13 @@ async def test_unary_rpcs(channel, demo_model_dir):
 
 def test_sigterm_drains(demo_model_dir):
     async def scenario():
-        engine = start_engine(demo_model_dir, "--num-kv-blocks", "256", "--shutdown-timeout", "60")
+        engine = start_engine(demo_model_dir, "--num-kv-blocks", "256", "--shutdown-timeout", "120")
         try:
             engine.wait_serving()
             async with grpc.aio.insecure_channel(engine.address) as ch:
                 stub = engine_pb2_grpc.EngineServiceStub(ch)
                 stream = EngineStream(ch)
-                inflight = stream.add("inflight", [5, 6, 7, 8], max_tokens=300, ignore_eos=True)
+                inflight = stream.add("inflight", [5, 6, 7, 8], max_tokens=120, ignore_eos=True)
                 # No sleeps to race: running for sure before the signal, draining for sure
                 # (the engine applied it) before the late add.
                 await asyncio.wait_for(inflight.first_output.wait(), 30)
@@ -191,8 +191,8 @@ def test_sigterm_drains(demo_model_dir):
                     assert asyncio.get_running_loop().time() < deadline, "the engine never started draining"
                     await asyncio.sleep(0.02)
                 late = stream.add("late", [5, 6, 7], max_tokens=5)
-                await stream.wait("inflight", "late", timeout=60)
-                assert len(inflight.token_ids) == 300
+                await stream.wait("inflight", "late", timeout=120)
+                assert len(inflight.token_ids) == 120
                 assert late.finish_reason == pb.FINISH_REASON_ERROR
                 assert late.error.code == pb.ERROR_CODE_UNAVAILABLE
             assert engine.proc.wait(30) == 0
