@@ -51,7 +51,6 @@ async def test_concurrent_calls_beyond_the_limit_are_resource_exhausted(demo_mod
         calls = [stub.Generate(request(f"long {i}", max_tokens=1500)) for i in range(2)]
         for call in calls:
             await asyncio.wait_for(call.read(), 60)  # both are in progress
-        t0 = time.monotonic()
         for _ in range(3):
             try:
                 await generate(stub, text="one more", params=dict(max_tokens=2))
@@ -60,7 +59,6 @@ async def test_concurrent_calls_beyond_the_limit_are_resource_exhausted(demo_mod
                 assert "limit of 2 concurrent Generate calls (--max-concurrent-calls)" in e.details()
             else:
                 raise AssertionError("a third concurrent call was accepted")
-        assert time.monotonic() - t0 < 5
         calls[0].cancel()
         deadline = time.monotonic() + 10
         while True:  # the slot frees once the frontend has seen the cancel

@@ -69,14 +69,14 @@ async def test_a_hung_engine_fails_or_moves_its_calls_in_bounded_time(demo_model
 
             # From now on only the healthy engine gets calls, and the frontend stays SERVING.
             await wait_health(frontend, SERVING, timeout=5)
+            assert (await stub.GetModelInfo(g.GetModelInfoRequest())).num_engines == 1
+            retries = frontend.log().count("trying another engine")
             records = [CallRecord(max_tokens=4) for _ in range(4)]
-            t0 = time.monotonic()
             await asyncio.gather(
                 *(read_call(stub.Generate(request(f"after {i}", max_tokens=4)), r) for i, r in enumerate(records))
             )
             assert all(r.code == grpc.StatusCode.OK for r in records), records
-            assert time.monotonic() - t0 < STALL_S
-            assert (await stub.GetModelInfo(g.GetModelInfoRequest())).num_engines == 1
+            assert frontend.log().count("trying another engine") == retries  # none went to the hung engine
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         hung.kill()
