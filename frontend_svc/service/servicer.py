@@ -299,9 +299,15 @@ _OFF_LOOP_BYTES = 4096
 
 
 def _ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-    """How a call that the client ended did end: its deadline passed, or it was cancelled."""
+    """How a call that the client ended did end: its deadline passed (gRPC cancels the
+    handler then, as for a cancel), or it was cancelled."""
     remaining = context.time_remaining()
-    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+    if remaining is not None and remaining < _DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
+_DEADLINE_SLACK_S = 0.05  # gRPC's deadline timer and the clock time_remaining() reads may disagree a little
 
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
