@@ -77,7 +77,7 @@ async def outcome(call) -> tuple[str, float]:
     """(status code name, seconds) of a call read to its end."""
     t0 = time.monotonic()
     try:
-        async for _ in call:
+        while await call.read() is not grpc.aio.EOF:
             pass
         return "OK", time.monotonic() - t0
     except grpc.aio.AioRpcError as e:
@@ -153,7 +153,7 @@ async def parked(pair: Pair, stub, num: int = 100) -> str:
     await asyncio.gather(*(c.read() for c in calls))
     t0 = time.monotonic()
     figures = []
-    for t in (5, 15, 30):
+    for t in (5, 15, 45):  # the default --stalled-client-timeout-s is 30 s
         await asyncio.sleep(t0 + t - time.monotonic())
         per_stream = (rss_mib(pair.frontend.proc.pid) - rss0) * 1024 / num
         figures.append(f"t={t}s {per_stream:.0f} KiB/stream, engine running {await busy(pair)}")
