@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from tandem_common.flags import LOG_LEVELS, HelpFormatter, message_bytes, metrics_port, port, seconds
+from tandem_common.flags import LOG_LEVELS, HelpFormatter, float_in, int_in, message_bytes, metrics_port, port, seconds
 
 
 @dataclass
@@ -16,12 +16,16 @@ class FrontendConfig:
     # resolves to, re-resolved every dns_refresh_s seconds).
     engines: list[str] = field(default_factory=list)
     dns_refresh_s: float = 10.0
+    engine_stall_timeout_s: float = 10.0
     host: str = "127.0.0.1"
     port: int = 50050
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     max_message_bytes: int = 16 * 1024 * 1024
     max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
     max_n: int = 16
+    max_concurrent_calls: int = 1024
+    stalled_client_timeout_s: float = 30.0
     stream_interval: int = 1
     shutdown_timeout: float = 30.0
     tls_cert: str | None = None
@@ -32,6 +36,7 @@ class FrontendConfig:
     api_keys: list[str] = field(default_factory=list)
     api_key_file: str | None = None
     metrics_port: int = 0
+    metrics_host: str | None = None  # None: the service's --host
     ready_file: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
@@ -59,6 +64,14 @@ class FrontendConfig:
             problems.append("--stream-interval must be at least 1")
         if self.max_stop_strings < 0:
             problems.append("--max-stop-strings must be >= 0")
+        if self.max_stop_string_chars < 1:
+            problems.append("--max-stop-string-chars must be at least 1")
+        if self.max_concurrent_calls < 0:
+            problems.append("--max-concurrent-calls must be >= 0 (0: no limit)")
+        if self.stalled_client_timeout_s < 0:
+            problems.append("--stalled-client-timeout-s must be >= 0 (0: never)")
+        if self.engine_stall_timeout_s <= 0:
+            problems.append("--engine-stall-timeout-s must be positive")
         if not 0 < self.dns_refresh_s < math.inf:
             problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
         # A blank key would match an empty bearer token (the file is checked at start-up).
@@ -101,9 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--dns-refresh-s",
-        type=float,
+        type=float_in(0.0, lo_open=True),
         default=d.dns_refresh_s,
         help="seconds between re-resolutions of dns:/// engine names",
+    )
+    e.add_argument(
+        "--engine-stall-timeout-s",
+        type=float_in(0.0, lo_open=True),
+        default=d.engine_stall_timeout_s,
+        metavar="S",
+        help="an engine that sends nothing and answers no load query for this long is hung: its calls fail "
+        "(those that streamed nothing yet are retried on another engine) and it gets no new ones until it "
+        "answers again",
     )
     e.add_argument("--engine-tls-ca", default=None, help="CA (PEM) that engine certificates must chain to; enables TLS")
     e.add_argument("--engine-tls-cert", default=None, help="client certificate (PEM) shown to engines (mutual TLS)")
@@ -122,7 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--host", default=d.host, help="address to listen on")
     n.add_argument("--port", type=port, default=d.port, help="gRPC port (0 picks a free one)")
     n.add_argument(
-        "--max-message-bytes", type=message_bytes, default=d.max_message_bytes, help="gRPC message size limit"
+        "--max-message-bytes",
+        type=message_bytes,
+        default=d.max_message_bytes,
+        help="gRPC message size limit, for clients and for the streams to the engines: give the engines the same "
+        "--max-message-bytes (a request that would not fit an engine stream is refused, RESOURCE_EXHAUSTED)",
     )
     n.add_argument(
         "--ready-file",
@@ -151,7 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = p.add_argument_group("request limits")
     r.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most stop strings per request")
+    r.add_argument(
+        "--max-stop-string-chars",
+        type=int_in(1),
+        default=d.max_stop_string_chars,
+        help="longest stop string, in characters",
+    )
     r.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    r.add_argument(
+        "--max-concurrent-calls",
+        type=int_in(0),
+        default=d.max_concurrent_calls,
+        metavar="N",
+        help="Generate calls in progress at once; more get RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    r.add_argument(
+        "--stalled-client-timeout-s",
+        type=seconds,
+        default=d.stalled_client_timeout_s,
+        metavar="S",
+        help="a Generate call whose client reads nothing for this long while output waits (gRPC's buffers "
+        "for the call are full) is aborted in the engine and ends with RESOURCE_EXHAUSTED (0: never)",
+    )
     r.add_argument(
         "--stream-interval",
         type=int,
@@ -164,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = p.add_argument_group("observability")
     o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
+    o.add_argument(
+        "--metrics-host", default=None, help="address the metrics endpoint listens on (default: the same as --host)"
+    )
     o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
     o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
     o.add_argument(

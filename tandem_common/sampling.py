@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 
 DEFAULT_MAX_TOKENS = 16  # when a request does not say (the frontend also caps it to the context left)
 MAX_LOGPROBS = 20  # top alternatives per token, for logprobs and prompt_logprobs
+# Sizes of the repeated and map fields. Each is checked from its length alone, before any
+# per-element work, so that one cheap request cannot make either service scan a huge list
+# (the engine tests stop ids every step). docs/limits.md lists every limit of the API.
+MAX_STOP_TOKEN_IDS = 128
+MAX_LOGIT_BIAS = 1024  # token ids with a bias
 
 
 @dataclass
@@ -75,15 +80,28 @@ class FieldError:
     message: str
 
 
+def check_sizes(num_stop_token_ids: int, num_logit_bias: int) -> FieldError | None:
+    """The size limits of the repeated and map fields, from their lengths alone: callers
+    check these before they copy or scan the fields."""
+    if num_stop_token_ids > MAX_STOP_TOKEN_IDS:
+        return FieldError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids are allowed, got {num_stop_token_ids}")
+    if num_logit_bias > MAX_LOGIT_BIAS:
+        return FieldError("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids are allowed, got {num_logit_bias}")
+    return None
+
+
 def check_sampling_params(p: SamplingParams, vocab_size: int) -> FieldError | None:
     """The first limit ``p`` breaks, or None."""
+    size_error = check_sizes(len(p.stop_token_ids), len(p.logit_bias))
+    if size_error is not None:
+        return size_error
     checks: list[tuple[bool, str, str]] = [
         (p.max_tokens >= 1, "max_tokens", f"must be at least 1, got {p.max_tokens}"),
         (p.min_tokens >= 0, "min_tokens", f"must be >= 0, got {p.min_tokens}"),
         (
             p.min_tokens <= p.max_tokens,
             "min_tokens",
-            f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
+            f"must not exceed max_tokens ({p.max_tokens}), got {p.min_tokens}",
         ),
         (p.top_k >= -1, "top_k", f"must be -1, 0 (all tokens) or positive, got {p.top_k}"),
         (
@@ -105,10 +123,10 @@ def check_sampling_params(p: SamplingParams, vocab_size: int) -> FieldError | No
             return FieldError(name, message)
     for t in p.stop_token_ids:
         if not 0 <= t < vocab_size:
-            return FieldError("stop_token_ids", f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+            return FieldError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
     for t, bias in p.logit_bias.items():
         if not 0 <= t < vocab_size:
-            return FieldError("logit_bias", f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
+            return FieldError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab_size})")
         if bias not in LOGIT_BIAS_RANGE:
-            return FieldError("logit_bias", f"logit_bias[{t}] must be in {LOGIT_BIAS_RANGE}, got {bias}")
+            return FieldError("logit_bias", f"the bias of token {t} must be in {LOGIT_BIAS_RANGE}, got {bias}")
     return None

@@ -12,6 +12,13 @@ A request's state lives in its client until the engine confirms the end (a finis
 output, also sent for an abort), so outputs are always routed by a live id. Request ids
 are uuid4 hex, never reused within a process. When a stream breaks, every request on it
 fails at once with ``EngineUnavailableError``; the client reconnects with backoff.
+
+A hung engine (stopped, or cut off without a TCP reset) is found two ways: HTTP/2
+keepalive pings (KEEPALIVE_MS, answered by the engine's gRPC core), and a watchdog that
+ends the session when nothing at all came from the engine for ``stall_timeout_s``: no
+stream message and no answer to GetLoad, which the client asks for every second the
+stream is quiet. A session starts only after the router accepted the engine's model
+(``accept``): same name, vocabulary and tokenizer files as the first engine accepted.
 """
 
 from __future__ import annotations
@@ -27,18 +34,33 @@ import grpc
 
 from frontend_svc.engine import convert
 from frontend_svc.engine.handle import RequestHandle
-from frontend_svc.engine.types import EngineLoad, EngineUnavailableError, ModelInfo
+from frontend_svc.engine.types import (
+    EngineLoad,
+    EngineRequestTooLargeError,
+    EngineUnavailableError,
+    ModelIdentity,
+    ModelInfo,
+)
+from frontend_svc.text.tokenizer import TOKENIZER_FILE_NAMES
 from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# A ping every 10 s, answered within 10 s (both the keepalive and the general HTTP/2 ping
+# timeout, which is 60 s unless set): a dead peer is noticed within 20 s at worst.
 KEEPALIVE_MS = 10_000
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_CAP_S = 2.0
 RPC_TIMEOUT_S = 10.0
 LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other frontends' load)
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
+DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
+REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
+
+
+class _EngineRefusedError(Exception):
+    """The router does not accept the engine's model; the message says why."""
 
 
 class EngineClient:
@@ -51,22 +73,29 @@ class EngineClient:
         credentials: grpc.ChannelCredentials | None = None,
         tls_server_name: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        accept: Callable[[EngineClient, ModelIdentity], str | None] | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
         self.connected = False
         self.retiring = False  # vanished from DNS: no new requests, closed once idle
+        self.refused: str | None = None  # why the router refuses this engine's model
         self.load = EngineLoad()
         self.model_info: ModelInfo | None = None
         self._credentials = credentials
         self._tls_server_name = tls_server_name
         self._max_message_bytes = max_message_bytes
+        self._stall_timeout_s = stall_timeout_s
+        self._accept = accept
         self._on_change = on_change
         self._requests: dict[str, RequestHandle] = {}
         self._outbox: asyncio.Queue | None = None
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task | None = None
         self._last_load_s = 0.0
+        self._last_heard_s = 0.0  # the last stream message or GetLoad answer
+        self._hung: str | None = None  # set by the watchdog just before it ends the session
         self._closed = False
 
     # -- routing figures -------------------------------------------------------------------
@@ -77,7 +106,7 @@ class EngineClient:
 
     @property
     def available(self) -> bool:
-        return self.connected and not self.load.draining and not self.retiring
+        return self.connected and not self.load.draining and not self.retiring and self.refused is None
 
     @property
     def outstanding_work(self) -> int:
@@ -91,6 +120,7 @@ class EngineClient:
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.keepalive_time_ms", KEEPALIVE_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000) or 1),
@@ -123,6 +153,10 @@ class EngineClient:
                 reason = await self._session()
             except grpc.aio.AioRpcError as e:
                 reason = f"{e.code().name}: {e.details()}"
+            except _EngineRefusedError as e:
+                self._set_refused(str(e))
+                await asyncio.sleep(REFUSED_RETRY_S * random.uniform(0.8, 1.2))
+                continue
             except Exception as e:  # noqa: BLE001 - any failure ends this session, never the loop
                 logger.exception("engine %s: stream failed", self.address)
                 reason = repr(e)
@@ -143,11 +177,20 @@ class EngineClient:
     async def _session(self) -> str:
         stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
-        self.model_info = convert.model_info(info)
+        model_info = convert.model_info(info)
+        if self._accept is not None:
+            identity = ModelIdentity(model_info.model_name, model_info.vocab_size, await self._tokenizer_digests(stub))
+            problem = self._accept(self, identity)
+            if problem is not None:
+                raise _EngineRefusedError(problem)
+        self._set_refused(None)
+        self.model_info = model_info
         outbox: asyncio.Queue = asyncio.Queue()
         call = stub.Stream(_drain(outbox))
         self._outbox = outbox
         self.load = EngineLoad()
+        self._last_heard_s = time.monotonic()
+        self._hung = None
         self._set_connected(True)
         logger.info(
             "engine %s connected: model %s, max_model_len %d",
@@ -155,27 +198,67 @@ class EngineClient:
             self.model_info.model_name,
             self.model_info.max_model_len,
         )
-        poller = asyncio.create_task(self._poll_load(stub))
+        watchdog = asyncio.create_task(self._watch(stub, call))
         try:
             async for response in call:
                 self._on_response(response)
+        except asyncio.CancelledError:
+            if self._hung is None:  # the client is closing, not the watchdog
+                raise
         finally:
             self._outbox = None
-            poller.cancel()
+            watchdog.cancel()
             call.cancel()
-        return "the engine ended the stream"
+        return self._hung or "the engine ended the stream"
 
-    async def _poll_load(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
+    async def _watch(self, stub: engine_pb2_grpc.EngineServiceStub, call) -> None:
+        """Polls the load while the stream is quiet, and ends the session when the engine
+        answers nothing at all for ``stall_timeout_s``."""
+        timeout = min(RPC_TIMEOUT_S, self._stall_timeout_s)
         while True:
             await asyncio.sleep(LOAD_POLL_S)
+            silent_s = time.monotonic() - self._last_heard_s
+            if silent_s > self._stall_timeout_s:
+                self._hung = (
+                    f"the engine sent nothing and answered no GetLoad for {silent_s:.1f} s with "
+                    f"{len(self._requests)} requests in flight (--engine-stall-timeout-s {self._stall_timeout_s:g}); "
+                    "it is hung"
+                )
+                call.cancel()
+                return
             if time.monotonic() - self._last_load_s < LOAD_POLL_S:
                 continue
             try:
-                response = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=RPC_TIMEOUT_S)
+                response = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 logger.debug("engine %s: GetLoad failed: %s", self.address, e.code().name)
                 continue
+            self._last_heard_s = time.monotonic()
             self._set_load(response.load)
+
+    async def _tokenizer_digests(self, stub: engine_pb2_grpc.EngineServiceStub) -> tuple[tuple[str, str], ...]:
+        """(file name, sha256) of the engine's tokenizer files that the frontend reads."""
+        digests: dict[str, str] = {}
+        try:
+            async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
+                if chunk.file_name in TOKENIZER_FILE_NAMES:
+                    digests[chunk.file_name] = chunk.sha256.lower()
+        except grpc.aio.AioRpcError as e:
+            if e.code() is not grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the engine has no tokenizer files
+                raise
+        return tuple(sorted(digests.items()))
+
+    def _set_refused(self, problem: str | None) -> None:
+        if problem != self.refused:
+            if problem is not None:
+                logger.warning(
+                    "engine %s refused: %s; asking again every %.0f s", self.address, problem, REFUSED_RETRY_S
+                )
+            elif self.refused is not None:
+                logger.info("engine %s is accepted now", self.address)
+            self.refused = problem
+            if self._on_change is not None:
+                self._on_change()
 
     def _set_connected(self, connected: bool) -> None:
         if connected != self.connected:
@@ -193,6 +276,7 @@ class EngineClient:
                 self._on_change()
 
     def _on_response(self, response: engine_pb2.StreamResponse) -> None:
+        self._last_heard_s = time.monotonic()
         if response.HasField("load"):
             self._set_load(response.load)
         for rejected in response.rejected:
@@ -236,18 +320,25 @@ class EngineClient:
             raise EngineUnavailableError(f"engine {self.address} is not connected")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id} is already in flight")
+        message = convert.add_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            trace_context=trace_context or {},
+        )
+        # gRPC fails the whole stream, every request on it, for one message over its limit.
+        size = message.ByteSize()
+        if size > self._max_message_bytes:
+            raise EngineRequestTooLargeError(
+                f"the request is {size} bytes as an engine message, more than the {self._max_message_bytes} "
+                "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
+                "logit_bias entries or stop token ids"
+            )
         handle = RequestHandle(request_id, self, wakeup, stream_interval)
         self._requests[request_id] = handle
-        self._outbox.put_nowait(
-            convert.add_request(
-                request_id,
-                prompt_token_ids,
-                params,
-                priority=priority,
-                arrival_time=time.time() if arrival_time is None else arrival_time,
-                trace_context=trace_context or {},
-            )
-        )
+        self._outbox.put_nowait(message)
         return handle
 
     def abort(self, request_ids: list[str], *, stop_string: bool = False) -> None:
@@ -273,16 +364,21 @@ class EngineClient:
             del self._requests[handle.request_id]
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
-        """Download the tokenizer files and check each against its sha256."""
+        """Download the tokenizer files and check each against its sha256 ({} if the engine has none)."""
         stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         files: dict[str, bytearray] = {}
         digests: dict[str, tuple[int, str]] = {}
-        async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
-            buf = files.setdefault(chunk.file_name, bytearray())
-            if chunk.offset != len(buf):
-                raise ValueError(f"{chunk.file_name}: chunk at offset {chunk.offset}, expected {len(buf)}")
-            buf.extend(chunk.data)
-            digests[chunk.file_name] = (chunk.total_size, chunk.sha256)
+        try:
+            async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
+                buf = files.setdefault(chunk.file_name, bytearray())
+                if chunk.offset != len(buf):
+                    raise ValueError(f"{chunk.file_name}: chunk at offset {chunk.offset}, expected {len(buf)}")
+                buf.extend(chunk.data)
+                digests[chunk.file_name] = (chunk.total_size, chunk.sha256)
+        except grpc.aio.AioRpcError as e:
+            if e.code() is not grpc.StatusCode.NOT_FOUND:
+                raise
+            return {}
         for name, buf in files.items():
             size, digest = digests[name]
             if len(buf) != size:

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from frontend_svc.engine.client import EngineClient
-from frontend_svc.engine.types import EngineUnavailableError, ModelInfo
+from frontend_svc.engine.client import DEFAULT_STALL_TIMEOUT_S, EngineClient
+from frontend_svc.engine.types import EngineUnavailableError, ModelIdentity, ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,11 @@ class EngineRouter:
     ``pick()`` returns the available engine (connected, not draining, not retiring) with
     the least outstanding work: this frontend's in-flight requests on it plus the
     engine's reported running and waiting requests. Ties are broken at random.
+
+    Every engine must serve the model of the first engine accepted (``identity``): an
+    engine with another model name, vocabulary size or tokenizer file is refused, with a
+    warning that says what differs, and never gets a request. The first model stays the
+    reference for the life of the process: a frontend follows a model change by restarting.
     """
 
     def __init__(
@@ -31,12 +36,15 @@ class EngineRouter:
         dns_refresh_s: float = 10.0,
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self._static = [t for t in targets if not t.startswith("dns:")]
         self._dns = [parse_dns_target(t) for t in targets if t.startswith("dns:")]
         self._dns_refresh_s = dns_refresh_s
         self._credentials = credentials
         self._max_message_bytes = max_message_bytes
+        self._stall_timeout_s = stall_timeout_s
+        self.identity: ModelIdentity | None = None  # of the first engine accepted
         self._clients: dict[str, EngineClient] = {}
         self._resolved: dict[tuple[str, int], set[str]] = {}
         self._listeners: list[Callable[[], None]] = []
@@ -57,11 +65,17 @@ class EngineRouter:
         return sum(c.connected for c in self._clients.values())
 
     @property
+    def num_refused(self) -> int:
+        """Engines refused because they serve another model."""
+        return sum(c.refused is not None for c in self._clients.values())
+
+    @property
     def model_info(self) -> ModelInfo | None:
         return next((c.model_info for c in self._clients.values() if c.connected and c.model_info), None)
 
     def add_listener(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever an engine connects, disconnects or starts/stops draining."""
+        """Call ``callback`` whenever an engine connects, disconnects, starts/stops draining
+        or is refused."""
         self._listeners.append(callback)
 
     async def start(self) -> None:
@@ -101,6 +115,24 @@ class EngineRouter:
                 errors.append(f"{client.address}: {e}")
         raise EngineUnavailableError("cannot fetch the tokenizer: " + ("; ".join(errors) or "no engine connected"))
 
+    def _accept(self, client: EngineClient, identity: ModelIdentity) -> str | None:
+        """None if ``client``'s model is the one this frontend serves, else why not."""
+        if self.identity is None:
+            self.identity = identity
+            files = ", ".join(name for name, _ in identity.tokenizer_sha256) or "none"
+            logger.info(
+                "serving model %s (vocabulary %d, tokenizer files: %s) as engine %s has it",
+                identity.model_name,
+                identity.vocab_size,
+                files,
+                client.address,
+            )
+            return None
+        diffs = self.identity.differences(identity)
+        if not diffs:
+            return None
+        return f"it serves another model than the first engine this frontend accepted: {'; '.join(diffs)}"
+
     def _changed(self) -> None:
         if self.healthy:
             self._connected.set()
@@ -115,6 +147,8 @@ class EngineRouter:
             credentials=self._credentials,
             tls_server_name=tls_server_name,
             max_message_bytes=self._max_message_bytes,
+            stall_timeout_s=self._stall_timeout_s,
+            accept=self._accept,
             on_change=self._changed,
         )
         self._clients[address] = client

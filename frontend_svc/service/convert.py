@@ -1,5 +1,6 @@
 """The public API (tandem.generate.v1) <-> plain values, both ways.
 
+    GenerateRequest ── request_sizes() ──▶ RequestSizes          (then planning.check_sizes)
     GenerateRequest ── generate_input() ──▶ GenerateInput        (then planning.plan_generate)
     ChatMessages    ── chat() ──▶ Chat                            (Generate and Tokenize)
     ChoiceOutput    ── generate_response() ──▶ GenerateResponse   (one per streamed piece)
@@ -13,7 +14,7 @@ its documented default, never zero.
 from __future__ import annotations
 
 from frontend_svc.engine.types import ModelInfo
-from frontend_svc.service.planning import Chat, GenerateInput
+from frontend_svc.service.planning import Chat, GenerateInput, RequestSizes
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from tandem_common.types import FinishReason
@@ -28,6 +29,21 @@ _FINISH = {
 
 
 # -- requests in ---------------------------------------------------------------------------
+
+
+def request_sizes(request: generate_pb2.GenerateRequest) -> RequestSizes:
+    """The lengths of the request's repeated fields; nothing is copied."""
+    sp = request.sampling_params
+    which = request.WhichOneof("input")
+    return RequestSizes(
+        input=which,
+        num_token_ids=len(request.token_ids.ids) if which == "token_ids" else 0,
+        num_messages=len(request.messages.messages) if which == "messages" else 0,
+        num_stop=len(sp.stop),
+        num_stop_token_ids=len(sp.stop_token_ids),
+        num_logit_bias=len(sp.logit_bias),
+        request_id_chars=len(request.request_id),
+    )
 
 
 def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:

@@ -62,6 +62,11 @@ class FrontendMetrics:
             registry=r,
         )
         self.engines_connected = Gauge("tandem_frontend_engines_connected", "Engines with a live stream", registry=r)
+        self.engines_refused = Gauge(
+            "tandem_frontend_engines_refused",
+            "Engines refused because they serve another model than the first engine accepted",
+            registry=r,
+        )
 
-    def serve(self, port: int) -> None:
-        serve_metrics(port, self.registry)
+    def serve(self, port: int, host: str) -> None:
+        serve_metrics(port, self.registry, host=host)

@@ -4,11 +4,13 @@
       .planned(plan)          prompt tokens, request attributes on the span
       .routed(engine, ids)    the engine and its request ids; trace context for the engine
       .piece(output)          each streamed piece: TTFT, inter-token latency, finish reasons
+      .generated(n)           tokens the engine generated for the call (cancelled calls too)
       .end(code, message)     status counters, E2E latency, span end, one INFO log line
 
 The log line carries its fields as ``extra`` too, so ``--log-format json`` emits them as
 keys: request_id, engine, code, prompt_tokens, completion_tokens, cached_tokens,
-ttft_s, total_s, finish_reason (and trace_id when tracing).
+ttft_s, total_s, finish_reason (and trace_id when tracing). The client's request_id is
+escaped and cut (tandem_common.logs.printable), so it can never forge a log line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import grpc
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.tracing import end_rpc_span, start_rpc_span, trace_context_of
 from frontend_svc.text.output_processor import ChoiceOutput
+from tandem_common.logs import printable
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ class GenerateStats:
         self.start = time.monotonic()
         self.metrics = metrics
         self.span = start_rpc_span(tracer, "Generate", context) if tracer is not None else None
-        self.request_id = request_id  # the client's, else the first engine request id
+        self.request_id = printable(request_id)  # the client's, else the first engine request id
         self.engine = ""
         self.num_prompt_tokens = 0
         self.num_completion_tokens = 0
@@ -91,15 +94,19 @@ class GenerateStats:
             self.finish_reasons.append(reason)
             self.metrics.finished.labels(reason).inc()
             if piece.usage is not None:
-                self.num_completion_tokens += piece.usage.completion_tokens
                 self.num_cached_tokens = max(self.num_cached_tokens, piece.usage.cached_tokens)
-                self.metrics.generation_tokens.inc(piece.usage.completion_tokens)
+
+    def generated(self, num_tokens: int) -> None:
+        """The tokens generated for the call so far, over all choices, as counted in usage
+        (for a call retried on another engine, the last engine's)."""
+        self.num_completion_tokens = num_tokens
 
     def end(self, code: grpc.StatusCode, message: str = "") -> None:
         total_s = time.monotonic() - self.start
         m = self.metrics
         m.in_flight.dec()
         m.requests.labels(code.name).inc()
+        m.generation_tokens.inc(self.num_completion_tokens)
         if code is grpc.StatusCode.OK:
             m.e2e.observe(total_s)
             m.request_generation_tokens.observe(self.num_completion_tokens)

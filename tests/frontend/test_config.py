@@ -25,6 +25,11 @@ FLAGS = [
     "--max-stop-strings",
     "--max-n",
     "--shutdown-timeout",
+    "--max-stop-string-chars",
+    "--max-concurrent-calls",
+    "--stalled-client-timeout-s",
+    "--engine-stall-timeout-s",
+    "--metrics-host",
 ]
 
 
@@ -38,6 +43,7 @@ def test_help_lists_every_flag():
     text = parser.format_help()
     for flag in FLAGS:
         assert flag in text, flag
+    assert "(default: None)" not in text  # a flag without a default says nothing about one
 
 
 def test_defaults():
@@ -46,6 +52,8 @@ def test_defaults():
     assert (c.host, c.port, c.metrics_port, c.dns_refresh_s) == ("127.0.0.1", 50050, 0, 10.0)
     assert (c.max_stop_strings, c.max_n, c.tokenizer, c.api_keys) == (16, 16, None, [])
     assert c.log_format == "text" and not c.engine_tls
+    assert (c.max_stop_string_chars, c.max_concurrent_calls, c.stalled_client_timeout_s) == (1024, 1024, 30.0)
+    assert (c.engine_stall_timeout_s, c.metrics_host) == (10.0, None)
     assert c.check() == []
 
 
@@ -74,3 +82,20 @@ def test_check_reports_unusable_combinations():
     problems = parse("--engine", "a:1", "--tls-cert", "c.pem", "--engine-tls-key", "k.pem", "--max-n", "0").check()
     assert len(problems) == 3
     assert parse("--engine", "a:1", "--engine-tls-ca", "ca.pem").engine_tls
+
+
+def test_limits_and_timeouts_are_checked():
+    problems = parse(
+        "--engine",
+        "a:1",
+        "--max-stop-string-chars",
+        "0",
+        "--max-concurrent-calls",
+        "-1",
+        "--stalled-client-timeout-s",
+        "-1",
+        "--engine-stall-timeout-s",
+        "0",
+    ).check()
+    assert len(problems) == 4, problems
+    assert parse("--engine", "a:1", "--max-concurrent-calls", "0", "--stalled-client-timeout-s", "0").check() == []
