@@ -13,11 +13,14 @@ import urllib.request
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_common.sampling import MAX_STRUCTURED_BYTES
 from tandem_protos.tandem.engine.v1 import engine_pb2
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
+from tests.grpcurl import grpcurl
+from tests.interop.jsonstream import json_objects
 from tests.rpc.engine_stream import EngineStream
 from tests.rpc.frontend_calls import by_choice, generate, stub_of, text_of
 from tests.services import running_pair, start_engine
@@ -218,3 +221,31 @@ async def test_a_compile_past_the_timeout_fails_in_band_and_its_batch_goes_on(de
     assert slow.error.message.startswith("sampling_params.regex: compiling it took longer than this engine's limit")
     assert "--structured-output-timeout-s" in slow.error.message and slow.error.field == "sampling_params.regex"
     assert free.error is None and len(free.token_ids) == 4
+
+
+def test_grpcurl_sends_a_constraint_and_refuses_two(services):
+    """The real grpcurl, through reflection: the documented JSON spellings work. Two
+    members of the constraint oneof cannot both arrive: grpcurl, like binary protobuf,
+    keeps the last one (Python's json_format refuses the request instead)."""
+    address = services[1].address
+    method = "tandem.generate.v1.GenerateService/Generate"
+    request = {
+        "text": "Colour:",
+        "sampling_params": {"choice": {"choices": list(CHOICES)}, "temperature": 0},
+    }
+    out = grpcurl("-plaintext", "-max-time", "60", "-d", json.dumps(request), address, method)
+    pieces = json_objects(out)
+    assert "".join(p.get("text", "") for p in pieces) in CHOICES
+    assert pieces[-1]["finish_reason"] == "FINISH_REASON_STOP"
+
+    grammar = {"syntax": "GRAMMAR_SYNTAX_LARK", "text": ARITHMETIC}
+    request = {"text": "Sum:", "sampling_params": {"max_tokens": 40, "temperature": 0, "grammar": grammar}}
+    pieces = json_objects(grpcurl("-plaintext", "-max-time", "60", "-d", json.dumps(request), address, method))
+    if pieces[-1]["finish_reason"] == "FINISH_REASON_STOP":
+        assert VALID["grammar"]("".join(p.get("text", "") for p in pieces))
+
+    both = {"text": "hi", "sampling_params": {"max_tokens": 4, "regex": "[a-z]+", "json_object": True}}
+    pieces = json_objects(grpcurl("-plaintext", "-max-time", "60", "-d", json.dumps(both), address, method))
+    assert "".join(p.get("text", "") for p in pieces).startswith("{")
+    with pytest.raises(json_format.ParseError, match='multiple "constraint" oneof fields'):
+        json_format.Parse(json.dumps(both["sampling_params"]), g.SamplingParams())
