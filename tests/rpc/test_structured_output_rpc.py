@@ -116,13 +116,13 @@ async def test_a_stop_string_cuts_a_constrained_output(stub):
 
 
 async def test_a_prefix_cache_hit_gives_the_same_valid_output(stub):
-    params = dict(max_tokens=80, temperature=0.0, **CONSTRAINTS["json_schema"])
+    params = dict(max_tokens=16, temperature=0.0, **CONSTRAINTS["regex"])
     prompt = "A long shared system prompt that spans more than one KV block of sixteen tokens: " + PROMPTS[2]
     first = await generate(stub, text=prompt, params=params)
     second = await generate(stub, text=prompt, params=params)
     assert second[-1].usage.cached_tokens > 0 and first[-1].usage.cached_tokens == 0
     assert text_of(first) == text_of(second)
-    assert second[-1].finish_reason == g.FINISH_REASON_STOP and VALID["json_schema"](text_of(second))
+    assert second[-1].finish_reason == g.FINISH_REASON_STOP and VALID["regex"](text_of(second))
 
 
 async def test_a_chat_request_takes_the_same_constraint(stub):
