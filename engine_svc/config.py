@@ -40,6 +40,8 @@ class EngineConfig:
     num_threads: int | None = None
     kernels: str = "auto"
     seed: int = 0
+    structured_output: bool = True
+    structured_output_timeout_s: float = 10.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -95,6 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
         "torch: plain torch ops everywhere (the reference path)",
     )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
+
+    g = p.add_argument_group("structured output (docs/structured_output.md)")
+    g.add_argument(
+        "--structured-output",
+        action=argparse.BooleanOptionalAction,
+        default=d.structured_output,
+        help="serve output constraints (JSON schema, regex, choice, grammar); needs the model's "
+        "tokenizer.json, read at start-up (seconds for a 128k vocabulary). Off: constrained "
+        "requests get INVALID_ARGUMENT",
+    )
+    g.add_argument(
+        "--structured-output-timeout-s",
+        type=float,
+        default=d.structured_output_timeout_s,
+        help="a request whose grammar is not compiled this many seconds after it arrived fails with "
+        "INVALID_ARGUMENT (the compile goes on and is cached for later requests)",
+    )
 
     s = p.add_argument_group("scheduler and KV cache")
     s.add_argument("--max-num-seqs", type=int_in(1), default=d.max_num_seqs, help="most requests running at once")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +145,24 @@ def test_offline_engine_figures(demo_model_dir, tmp_path):
     assert {"output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"} <= figures.keys()
     assert figures["num_output_tokens"] == sum(r["max_tokens"] for r in workload)
     assert all(figures[k] > 0 for k in ("output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"))
+
+
+def test_offline_constraint_figures(demo_model_dir, tmp_path):
+    """--constraint runs the workload constrained and unconstrained on the same tokens and
+    times the first token with the compile cold and warm."""
+    workload = synthetic(1, num_requests=3, prompt_len=(8, 16), output_len=(8, 12), vocab_size=2048)
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in workload))
+    out = tmp_path / "offline.json"
+    schema = Path(offline.__file__).parent / "schemas" / "order.json"
+    argv = ["--model", str(demo_model_dir), "--workload", str(path), "--baseline", "none"]
+    argv += ["--kv-cache-bytes", str(16 << 20), "--constraint", f"json_schema:{schema}", "--json", str(out)]
+    assert offline.main(argv) == 0
+    s = json.loads(out.read_text())["engine"]["structured"]
+    assert s["kind"] == "json_schema" and 0 < s["num_output_tokens"] <= sum(r["max_tokens"] for r in workload)
+    assert s["constrained_output_tok_per_s"] > 0 and s["unconstrained_output_tok_per_s"] > 0
+    assert s["compile_ms"] > 0 and s["ttft_ms_cold_cache"] > 0 and s["ttft_ms_warm_cache"] > 0
+    assert _holes(s) == []
 
 
 def test_grpc_floor_counts_every_message_and_stops_its_server():

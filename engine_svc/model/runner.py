@@ -151,6 +151,7 @@ class ModelRunner:
             if sample_rows:
                 logits = self._logits(hidden, sample_rows)  # [num_sampled, vocab] float32
                 sampled = self.sampler.sample(logits, sample_requests)
+                output.errors.update(sampled.errors)
                 for request, token_id, logprob in zip(sample_requests, sampled.token_ids, sampled.logprobs):
                     output.sampled_token_ids[request.request_id] = token_id
                     if logprob is not None:
@@ -221,6 +222,7 @@ class _WarmupRequest:
     output_token_ids: Sequence[int] = ()
     eos_token_ids: tuple[int, ...] = ()
     num_prompt_logprobs_done: int = 0
+    grammar: object | None = None
 
     @property
     def all_token_ids(self) -> Sequence[int]:

@@ -1,8 +1,8 @@
 """Turns each request's last-position logits into its next token, vectorised over the batch.
 
-    raw logits ─▶ logit_bias ─▶ min_tokens mask ─▶ penalties ─┬─▶ argmax                 greedy rows
-                                                              └─▶ ÷ temperature ─▶ top-k ─▶ top-p
-                                                                  ─▶ min-p ─▶ exponential race   sampled rows
+    raw logits ─▶ logit_bias ─▶ grammar mask ─▶ min_tokens mask ─▶ penalties ─┬─▶ argmax        greedy rows
+                                                     └─▶ ÷ temperature ─▶ top-k ─▶ top-p
+                                                         ─▶ min-p ─▶ exponential race           sampled rows
     raw logits ─▶ log_softmax ─▶ chosen token's logprob and rank, top alternatives
 
 Per-row parameters become tensors once per call, and a stage that no row uses costs
@@ -20,11 +20,12 @@ written outside inference mode.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine_svc.types import Logprob, RequestView, SamplingParams
+from engine_svc.model.structured import BatchMask, GrammarMasks
+from engine_svc.types import Logprob, RequestError, RequestView, SamplingParams
 
 # Below this temperature a row is sampled greedily, as vLLM does: dividing by a
 # near-zero temperature overflows float32 to inf, and inf - inf in the softmax is NaN.
@@ -36,6 +37,8 @@ _MASK64 = (1 << 64) - 1
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprob | None]  # None where request.sampling_params.logprobs is None
+    # Requests whose output constraint failed this step, by id: their token is not to be kept.
+    errors: dict[str, RequestError] = field(default_factory=dict)
 
 
 class Sampler:
@@ -48,6 +51,7 @@ class Sampler:
         self._seeded_generators: dict[str, torch.Generator] = {}
         self._token_counts = _TokenCounts(vocab_size, self.device)
         self._lists = _RequestLists(vocab_size, self.device)
+        self.grammars = GrammarMasks(vocab_size, self.device)  # structured output
 
     # ------------------------------------------------------------------ public API
 
@@ -59,7 +63,8 @@ class Sampler:
         if not requests:
             return SamplerOutput(token_ids=[], logprobs=[])
         raw = logits[:, : self.vocab_size]  # [num_rows, vocab]; padding columns dropped
-        x = self._process_logits(raw, requests)  # [num_rows, vocab]
+        grammar = self.grammars.batch_mask(requests)  # None when no row is constrained
+        x = self._process_logits(raw, requests, grammar)  # [num_rows, vocab]
 
         sampled_rows = [i for i, r in enumerate(requests) if not _is_greedy(r.sampling_params)]
         if not sampled_rows:
@@ -72,7 +77,8 @@ class Sampler:
             token_ids[rows] = self._sample_rows(x[rows], [requests[i] for i in sampled_rows])
 
         logprobs = self._sampled_logprobs(raw, token_ids, requests)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        errors = grammar.errors if grammar is not None else {}
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, errors=errors)
 
     @torch.inference_mode()
     def prompt_logprobs(self, logits: torch.Tensor, target_token_ids: list[int], num_top: int) -> list[Logprob]:
@@ -87,25 +93,33 @@ class Sampler:
             self._seeded_generators.pop(request_id, None)
             self._token_counts.forget(request_id)
             self._lists.forget(request_id)
+            self.grammars.forget(request_id)
 
     # ------------------------------------------------------------ logits processing
 
     @torch.inference_mode()
-    def _process_logits(self, raw: torch.Tensor, requests: Sequence[RequestView]) -> torch.Tensor:
-        """Bias, min_tokens and penalties; returns ``raw`` itself when no row uses any.
+    def _process_logits(
+        self, raw: torch.Tensor, requests: Sequence[RequestView], grammar: BatchMask | None = None
+    ) -> torch.Tensor:
+        """Bias, the grammar mask, min_tokens and penalties; returns ``raw`` itself when no
+        row uses any.
 
-        ``raw`` is never written: logprobs are reported from it.
+        ``raw`` is never written: logprobs are reported from it. The grammar mask comes
+        after the bias (a bias never brings back a masked token: -inf + bias = -inf) and
+        before every other stage; constrained rows get their min_tokens rule inside it.
         """
         bias = self._logit_bias_entries(requests)
         blocked = self._min_tokens_entries(requests)
         penalised = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
-        if bias is None and blocked is None and not penalised:
+        if bias is None and blocked is None and not penalised and grammar is None:
             return raw
         x = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [num_rows, vocab]
         flat = x.view(-1)  # [num_rows * vocab]: entries are addressed as row * vocab + token id
         if bias is not None:
             cells, values = bias
             flat.index_add_(0, cells, values)
+        if grammar is not None:
+            _apply_grammar(x, grammar, self._tensor)
         if blocked is not None:
             flat.index_fill_(0, blocked, float("-inf"))
         if penalised:
@@ -130,10 +144,12 @@ class Sampler:
         """Flat cells (row * vocab + token id) of EOS and stop tokens that may not be sampled yet, or None.
 
         EOS is left alone under ignore_eos (as in vLLM): it would not stop the request then.
+        Constrained rows are left to the grammar stage, which holds these tokens back only
+        where the grammar allows something else.
         """
         cells = []
         for i, r in enumerate(requests):
-            if r.num_output_tokens < r.sampling_params.min_tokens:
+            if r.num_output_tokens < r.sampling_params.min_tokens and r.grammar is None:
                 cols = self._lists.get(r).min_tokens_cols
                 if cols is not None:
                     cells.append(cols + i * self.vocab_size)
@@ -407,6 +423,15 @@ def _truncation_threshold(best: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     keep[:, 0] = True
     threshold = best.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)  # [S, 1]
     return threshold.masked_fill((k >= vocab) & (p >= 1.0), float("-inf"))
+
+
+def _apply_grammar(x: torch.Tensor, grammar: BatchMask, to_tensor) -> None:
+    """Set the logits of tokens the grammar forbids to -inf, in place (``x`` [num_rows, vocab])."""
+    if len(grammar.rows) == x.shape[0]:
+        x.masked_fill_(~grammar.allowed, float("-inf"))
+        return
+    rows = to_tensor(grammar.rows)
+    x[rows] = x[rows].masked_fill(~grammar.allowed, float("-inf"))
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

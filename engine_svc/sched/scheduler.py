@@ -322,6 +322,9 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
             request.num_prompt_logprobs_done += len(prompt_logprobs)
             new_token_ids, logprobs = [], []
+            if (error := runner_output.errors.get(request_id)) is not None:
+                outputs.append(self._finish_with_error(request, error))
+                continue
             if needs_sample:
                 token_id = runner_output.sampled_token_ids.get(request_id)
                 if token_id is None:

@@ -241,13 +241,21 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
 
+    def _wake(self) -> None:
+        """Called from a grammar-compile thread: a waiting request may be ready."""
+        with self._cond:
+            self._cond.notify()
+
     def _run(self) -> None:
         assert self.core is not None
         core = self.core
+        core.structured.on_ready = self._wake
         while True:
             with self._cond:
+                # Requests whose grammar compiles are not work yet: sleep until a compile
+                # wakes us (``_wake``) or the first of them times out.
                 while self._running and not self._commands and not core.has_work():
-                    self._cond.wait()
+                    self._cond.wait(core.seconds_to_next_event())
                 if not self._running:
                     return
                 commands, self._commands = self._commands, []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine_svc.outputs import EngineOutput, EngineStats
+from engine_svc.outputs import EngineOutput, EngineStats, StructuredStats
 from engine_svc.service.engine_loop import EngineLoop
 from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
@@ -80,7 +80,31 @@ class EngineMetrics(RequestListener):
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.structured_requests = Counter(
+            "tandem_engine_structured_requests_total",
+            "Requests with an output constraint, by kind (json_schema, json_object, regex, choice, grammar)",
+            ["kind"],
+            registry=r,
+        )
+        self.structured_cache_hits = Counter(
+            "tandem_engine_structured_cache_hits_total",
+            "Constrained requests whose grammar was already compiled (no compile wait)",
+            registry=r,
+        )
+        self.structured_refused = Counter(
+            "tandem_engine_structured_refused_total",
+            "Constrained requests refused: constraint does not compile (invalid) or compiled too slowly (timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.structured_compile_time = Histogram(
+            "tandem_engine_structured_compile_duration_seconds",
+            "Time to compile one output constraint against the tokenizer (cache misses only)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self._preemptions_seen = 0
+        self._structured_seen = StructuredStats()
         self.port = port
         if port:
             serve_metrics(port, r, host=host)
@@ -106,6 +130,25 @@ class EngineMetrics(RequestListener):
         num_generated = sum(len(out.new_token_ids) for out in outputs)
         if num_generated:
             self.generated.inc(num_generated)
+        self._observe_structured(stats.structured)
+
+    def _observe_structured(self, s: StructuredStats) -> None:
+        """Counters from the snapshot's running totals; durations are per snapshot."""
+        seen = self._structured_seen
+        if s.requests_by_kind != seen.requests_by_kind:
+            before = dict(seen.requests_by_kind)
+            for kind, n in s.requests_by_kind:
+                if n > before.get(kind, 0):
+                    self.structured_requests.labels(kind).inc(n - before.get(kind, 0))
+        if s.num_cache_hits > seen.num_cache_hits:
+            self.structured_cache_hits.inc(s.num_cache_hits - seen.num_cache_hits)
+        if s.num_failed > seen.num_failed:
+            self.structured_refused.labels("invalid").inc(s.num_failed - seen.num_failed)
+        if s.num_timeouts > seen.num_timeouts:
+            self.structured_refused.labels("timeout").inc(s.num_timeouts - seen.num_timeouts)
+        for duration in s.compile_durations_s:
+            self.structured_compile_time.observe(duration)
+        self._structured_seen = s
 
     # -- lifecycle events --------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from engine_svc.service.backlog import (
 )
 from engine_svc.service.engine_loop import AddCommand, EngineLoop
 from engine_svc.types import DEFAULT_MAX_TOKENS, ErrorCode, FinishReason, Logprob, SamplingParams
+from tandem_common.sampling import StructuredOutput
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 
@@ -87,6 +88,35 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         logit_bias=dict(p.logit_bias),
+        structured=structured_from_proto(p),
+    )
+
+
+_GRAMMAR_SYNTAX = {
+    pb.GRAMMAR_SYNTAX_UNSPECIFIED: "lark",
+    pb.GRAMMAR_SYNTAX_LARK: "lark",
+    pb.GRAMMAR_SYNTAX_GBNF: "gbnf",
+}
+_JSON_WHITESPACE = {
+    pb.JSON_WHITESPACE_UNSPECIFIED: "compact",
+    pb.JSON_WHITESPACE_COMPACT: "compact",
+    pb.JSON_WHITESPACE_FLEXIBLE: "flexible",
+}
+
+
+def structured_from_proto(p: pb.SamplingParams) -> StructuredOutput | None:
+    """The ``constraint`` oneof and its options; an unknown enum number is kept as its
+    number, so the shared check names it."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    return StructuredOutput(
+        kind=kind,
+        text=p.grammar.text if kind == "grammar" else p.json_schema if kind == "json_schema" else p.regex,
+        choices=tuple(p.choice.choices),
+        grammar_syntax=_GRAMMAR_SYNTAX.get(p.grammar.syntax, str(p.grammar.syntax)),
+        json_whitespace=_JSON_WHITESPACE.get(p.json_whitespace, str(p.json_whitespace)),
+        json_lenient=p.json_lenient,
     )
 
 

@@ -11,7 +11,7 @@ knows the engine's protobuf types; everything past it sees plain dataclasses.
 from __future__ import annotations
 
 from frontend_svc.engine.types import EngineError, EngineLoad, EngineOutput, ModelInfo
-from tandem_common.sampling import SamplingParams
+from tandem_common.sampling import SamplingParams, StructuredOutput
 from tandem_common.types import ErrorCode, FinishReason, Logprob
 from tandem_protos.tandem.engine.v1 import engine_pb2
 
@@ -78,7 +78,28 @@ def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
         sp.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         sp.prompt_logprobs = p.prompt_logprobs
+    if p.structured is not None:
+        _set_structured(sp, p.structured)
     return sp
+
+
+_GRAMMAR_SYNTAX = {"lark": engine_pb2.GRAMMAR_SYNTAX_LARK, "gbnf": engine_pb2.GRAMMAR_SYNTAX_GBNF}
+_JSON_WHITESPACE = {"compact": engine_pb2.JSON_WHITESPACE_COMPACT, "flexible": engine_pb2.JSON_WHITESPACE_FLEXIBLE}
+
+
+def _set_structured(sp: engine_pb2.SamplingParams, s: StructuredOutput) -> None:
+    """Fills the ``constraint`` oneof (planning has checked ``s``)."""
+    if s.kind == "json_object":
+        sp.json_object = True
+    elif s.kind == "choice":
+        sp.choice.choices.extend(s.choices)
+    elif s.kind == "grammar":
+        sp.grammar.syntax = _GRAMMAR_SYNTAX[s.grammar_syntax]
+        sp.grammar.text = s.text
+    else:  # json_schema, regex: the text itself
+        setattr(sp, s.kind, s.text)
+    sp.json_whitespace = _JSON_WHITESPACE[s.json_whitespace]
+    sp.json_lenient = s.json_lenient
 
 
 # -- from the engine -----------------------------------------------------------------------

@@ -59,3 +59,30 @@ def test_a_failing_build_raises_from_start_and_leaves_no_thread():
 def test_start_needs_a_core_or_a_build_function():
     with pytest.raises(ValueError, match="a core to the constructor or a build function"):
         EngineLoop().start()
+
+
+def test_a_finished_compile_wakes_the_sleeping_loop(demo_model_dir):
+    """The only request waits for its grammar: the loop sleeps until the compile thread
+    wakes it, not until the (here ten-minute) compile deadline."""
+    from tandem_common.sampling import StructuredOutput
+
+    config = EngineConfig(model=str(demo_model_dir), num_kv_blocks=16, structured_output_timeout_s=600)
+    loop = EngineLoop(EngineCore(config))
+    loop.start()
+    try:
+        done, outputs = threading.Event(), []
+
+        def sink(outs, load):
+            if outs is None:
+                done.set()
+            else:
+                outputs.extend(outs)
+
+        sid = loop.open_stream(sink)
+        params = SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput("regex", "[a-z]{3}-woken"))
+        loop.add(sid, AddCommand("a", [1, 2, 3], params))
+        loop.half_close(sid)
+        assert done.wait(120), "the loop slept through the compile"
+    finally:
+        loop.stop()
+    assert outputs[-1].finished and outputs[-1].error is None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/engine/v1/engine.proto\x12\x10tandem.engine.v1\"i\n\rStreamRequest\x12$\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x15.tandem.engine.v1.AddH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.tandem.engine.v1.AbortH\x00\x42\x08\n\x06\x61\x63tion\"\x8b\x02\n\x03\x41\x64\x64\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12>\n\rtrace_context\x18\x06 \x03(\x0b\x32\'.tandem.engine.v1.Add.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0f \x03(\x0b\x32/.tandem.engine.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"K\n\x05\x41\x62ort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12-\n\x06reason\x18\x02 \x01(\x0e\x32\x1d.tandem.engine.v1.AbortReason\"\x9f\x01\n\x0eStreamResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.tandem.engine.v1.RequestOutput\x12*\n\x04load\x18\x02 \x01(\x0b\x32\x1c.tandem.engine.v1.EngineLoad\x12/\n\x08rejected\x18\x03 \x03(\x0b\x32\x1d.tandem.engine.v1.RejectedAdd\"I\n\x0bRejectedAdd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.tandem.engine.v1.Error\"\xe8\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12&\n\x05\x65rror\x18\t \x01(\x0b\x32\x17.tandem.engine.v1.ErrorB\x10\n\x0e_stop_token_id\"R\n\x05\x45rror\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.tandem.engine.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"j\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12)\n\x03top\x18\x04 \x03(\x0b\x32\x1c.tandem.engine.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xac\x01\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x02\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x12\n\nnum_paused\x18\x07 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x94\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\tB\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\"k\n\x14GetTokenizerResponse\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"\x10\n\x0eGetLoadRequest\"=\n\x0fGetLoadResponse\x12*\n\x04load\x18\x01 \x01(\x0b\x32\x1c.tandem.engine.v1.EngineLoad*e\n\x0b\x41\x62ortReason\x12\x1c\n\x18\x41\x42ORT_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x42ORT_REASON_CANCELLED\x10\x01\x12\x1c\n\x18\x41\x42ORT_REASON_STOP_STRING\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x32\xf0\x02\n\rEngineService\x12O\n\x06Stream\x12\x1f.tandem.engine.v1.StreamRequest\x1a .tandem.engine.v1.StreamResponse(\x01\x30\x01\x12]\n\x0cGetModelInfo\x12%.tandem.engine.v1.GetModelInfoRequest\x1a&.tandem.engine.v1.GetModelInfoResponse\x12_\n\x0cGetTokenizer\x12%.tandem.engine.v1.GetTokenizerRequest\x1a&.tandem.engine.v1.GetTokenizerResponse0\x01\x12N\n\x07GetLoad\x12 .tandem.engine.v1.GetLoadRequest\x1a!.tandem.engine.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/engine/v1/engine.proto\x12\x10tandem.engine.v1\"i\n\rStreamRequest\x12$\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x15.tandem.engine.v1.AddH\x00\x12(\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x17.tandem.engine.v1.AbortH\x00\x42\x08\n\x06\x61\x63tion\"\x8b\x02\n\x03\x41\x64\x64\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12>\n\rtrace_context\x18\x06 \x03(\x0b\x32\'.tandem.engine.v1.Add.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xac\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x07\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0f \x03(\x0b\x32/.tandem.engine.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x18.tandem.engine.v1.ChoiceH\x00\x12,\n\x07grammar\x18\x14 \x01(\x0b\x32\x19.tandem.engine.v1.GrammarH\x00\x12\x39\n\x0fjson_whitespace\x18\x15 \x01(\x0e\x32 .tandem.engine.v1.JsonWhitespace\x12\x14\n\x0cjson_lenient\x18\x16 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"H\n\x07Grammar\x12/\n\x06syntax\x18\x01 \x01(\x0e\x32\x1f.tandem.engine.v1.GrammarSyntax\x12\x0c\n\x04text\x18\x02 \x01(\t\"K\n\x05\x41\x62ort\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12-\n\x06reason\x18\x02 \x01(\x0e\x32\x1d.tandem.engine.v1.AbortReason\"\x9f\x01\n\x0eStreamResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.tandem.engine.v1.RequestOutput\x12*\n\x04load\x18\x02 \x01(\x0b\x32\x1c.tandem.engine.v1.EngineLoad\x12/\n\x08rejected\x18\x03 \x03(\x0b\x32\x1d.tandem.engine.v1.RejectedAdd\"I\n\x0bRejectedAdd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.tandem.engine.v1.Error\"\xe8\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.engine.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12&\n\x05\x65rror\x18\t \x01(\x0b\x32\x17.tandem.engine.v1.ErrorB\x10\n\x0e_stop_token_id\"R\n\x05\x45rror\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.tandem.engine.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"j\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12)\n\x03top\x18\x04 \x03(\x0b\x32\x1c.tandem.engine.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xac\x01\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x02\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x12\n\nnum_paused\x18\x07 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x94\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\tB\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\"k\n\x14GetTokenizerResponse\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"\x10\n\x0eGetLoadRequest\"=\n\x0fGetLoadResponse\x12*\n\x04load\x18\x01 \x01(\x0b\x32\x1c.tandem.engine.v1.EngineLoad*a\n\rGrammarSyntax\x12\x1e\n\x1aGRAMMAR_SYNTAX_UNSPECIFIED\x10\x00\x12\x17\n\x13GRAMMAR_SYNTAX_LARK\x10\x01\x12\x17\n\x13GRAMMAR_SYNTAX_GBNF\x10\x02*l\n\x0eJsonWhitespace\x12\x1f\n\x1bJSON_WHITESPACE_UNSPECIFIED\x10\x00\x12\x1b\n\x17JSON_WHITESPACE_COMPACT\x10\x01\x12\x1c\n\x18JSON_WHITESPACE_FLEXIBLE\x10\x02*e\n\x0b\x41\x62ortReason\x12\x1c\n\x18\x41\x42ORT_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x42ORT_REASON_CANCELLED\x10\x01\x12\x1c\n\x18\x41\x42ORT_REASON_STOP_STRING\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x32\xf0\x02\n\rEngineService\x12O\n\x06Stream\x12\x1f.tandem.engine.v1.StreamRequest\x1a .tandem.engine.v1.StreamResponse(\x01\x30\x01\x12]\n\x0cGetModelInfo\x12%.tandem.engine.v1.GetModelInfoRequest\x1a&.tandem.engine.v1.GetModelInfoResponse\x12_\n\x0cGetTokenizer\x12%.tandem.engine.v1.GetTokenizerRequest\x1a&.tandem.engine.v1.GetTokenizerResponse0\x01\x12N\n\x07GetLoad\x12 .tandem.engine.v1.GetLoadRequest\x1a!.tandem.engine.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADD_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ABORTREASON']._serialized_start=2603
-  _globals['_ABORTREASON']._serialized_end=2704
-  _globals['_FINISHREASON']._serialized_start=2707
-  _globals['_FINISHREASON']._serialized_end=2852
-  _globals['_ERRORCODE']._serialized_start=2855
-  _globals['_ERRORCODE']._serialized_end=3015
+  _globals['_GRAMMARSYNTAX']._serialized_start=2952
+  _globals['_GRAMMARSYNTAX']._serialized_end=3049
+  _globals['_JSONWHITESPACE']._serialized_start=3051
+  _globals['_JSONWHITESPACE']._serialized_end=3159
+  _globals['_ABORTREASON']._serialized_start=3161
+  _globals['_ABORTREASON']._serialized_end=3262
+  _globals['_FINISHREASON']._serialized_start=3265
+  _globals['_FINISHREASON']._serialized_end=3410
+  _globals['_ERRORCODE']._serialized_start=3413
+  _globals['_ERRORCODE']._serialized_end=3573
   _globals['_STREAMREQUEST']._serialized_start=51
   _globals['_STREAMREQUEST']._serialized_end=156
   _globals['_ADD']._serialized_start=159
@@ -48,37 +52,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADD_TRACECONTEXTENTRY']._serialized_start=375
   _globals['_ADD_TRACECONTEXTENTRY']._serialized_end=426
   _globals['_SAMPLINGPARAMS']._serialized_start=429
-  _globals['_SAMPLINGPARAMS']._serialized_end=993
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=839
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=887
-  _globals['_ABORT']._serialized_start=995
-  _globals['_ABORT']._serialized_end=1070
-  _globals['_STREAMRESPONSE']._serialized_start=1073
-  _globals['_STREAMRESPONSE']._serialized_end=1232
-  _globals['_REJECTEDADD']._serialized_start=1234
-  _globals['_REJECTEDADD']._serialized_end=1307
-  _globals['_REQUESTOUTPUT']._serialized_start=1310
-  _globals['_REQUESTOUTPUT']._serialized_end=1670
-  _globals['_ERROR']._serialized_start=1672
-  _globals['_ERROR']._serialized_end=1754
-  _globals['_TOKENLOGPROB']._serialized_start=1756
-  _globals['_TOKENLOGPROB']._serialized_end=1862
-  _globals['_TOPLOGPROB']._serialized_start=1864
-  _globals['_TOPLOGPROB']._serialized_end=1911
-  _globals['_ENGINELOAD']._serialized_start=1914
-  _globals['_ENGINELOAD']._serialized_end=2086
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2088
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2109
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2112
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2388
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2390
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2411
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2413
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2520
-  _globals['_GETLOADREQUEST']._serialized_start=2522
-  _globals['_GETLOADREQUEST']._serialized_end=2538
-  _globals['_GETLOADRESPONSE']._serialized_start=2540
-  _globals['_GETLOADRESPONSE']._serialized_end=2601
-  _globals['_ENGINESERVICE']._serialized_start=3018
-  _globals['_ENGINESERVICE']._serialized_end=3386
+  _globals['_SAMPLINGPARAMS']._serialized_end=1241
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1073
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1121
+  _globals['_CHOICE']._serialized_start=1243
+  _globals['_CHOICE']._serialized_end=1268
+  _globals['_GRAMMAR']._serialized_start=1270
+  _globals['_GRAMMAR']._serialized_end=1342
+  _globals['_ABORT']._serialized_start=1344
+  _globals['_ABORT']._serialized_end=1419
+  _globals['_STREAMRESPONSE']._serialized_start=1422
+  _globals['_STREAMRESPONSE']._serialized_end=1581
+  _globals['_REJECTEDADD']._serialized_start=1583
+  _globals['_REJECTEDADD']._serialized_end=1656
+  _globals['_REQUESTOUTPUT']._serialized_start=1659
+  _globals['_REQUESTOUTPUT']._serialized_end=2019
+  _globals['_ERROR']._serialized_start=2021
+  _globals['_ERROR']._serialized_end=2103
+  _globals['_TOKENLOGPROB']._serialized_start=2105
+  _globals['_TOKENLOGPROB']._serialized_end=2211
+  _globals['_TOPLOGPROB']._serialized_start=2213
+  _globals['_TOPLOGPROB']._serialized_end=2260
+  _globals['_ENGINELOAD']._serialized_start=2263
+  _globals['_ENGINELOAD']._serialized_end=2435
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2437
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2458
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2461
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2737
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2739
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2760
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2762
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2869
+  _globals['_GETLOADREQUEST']._serialized_start=2871
+  _globals['_GETLOADREQUEST']._serialized_end=2887
+  _globals['_GETLOADRESPONSE']._serialized_start=2889
+  _globals['_GETLOADRESPONSE']._serialized_end=2950
+  _globals['_ENGINESERVICE']._serialized_start=3576
+  _globals['_ENGINESERVICE']._serialized_end=3944
 # @@protoc_insertion_point(module_scope)

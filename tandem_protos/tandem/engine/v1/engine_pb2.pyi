@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GrammarSyntax(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_SYNTAX_UNSPECIFIED: _ClassVar[GrammarSyntax]
+    GRAMMAR_SYNTAX_LARK: _ClassVar[GrammarSyntax]
+    GRAMMAR_SYNTAX_GBNF: _ClassVar[GrammarSyntax]
+
+class JsonWhitespace(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JSON_WHITESPACE_UNSPECIFIED: _ClassVar[JsonWhitespace]
+    JSON_WHITESPACE_COMPACT: _ClassVar[JsonWhitespace]
+    JSON_WHITESPACE_FLEXIBLE: _ClassVar[JsonWhitespace]
+
 class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ABORT_REASON_UNSPECIFIED: _ClassVar[AbortReason]
@@ -28,6 +40,12 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+GRAMMAR_SYNTAX_UNSPECIFIED: GrammarSyntax
+GRAMMAR_SYNTAX_LARK: GrammarSyntax
+GRAMMAR_SYNTAX_GBNF: GrammarSyntax
+JSON_WHITESPACE_UNSPECIFIED: JsonWhitespace
+JSON_WHITESPACE_COMPACT: JsonWhitespace
+JSON_WHITESPACE_FLEXIBLE: JsonWhitespace
 ABORT_REASON_UNSPECIFIED: AbortReason
 ABORT_REASON_CANCELLED: AbortReason
 ABORT_REASON_STOP_STRING: AbortReason
@@ -74,7 +92,7 @@ class Add(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias", "json_schema", "json_object", "regex", "choice", "grammar", "json_whitespace", "json_lenient")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +115,13 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    JSON_LENIENT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -112,7 +137,28 @@ class SamplingParams(_message.Message):
     logprobs: int
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: Choice
+    grammar: Grammar
+    json_whitespace: JsonWhitespace
+    json_lenient: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., json_whitespace: _Optional[_Union[JsonWhitespace, str]] = ..., json_lenient: _Optional[bool] = ...) -> None: ...
+
+class Choice(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("syntax", "text")
+    SYNTAX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    syntax: GrammarSyntax
+    text: str
+    def __init__(self, syntax: _Optional[_Union[GrammarSyntax, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_ids", "reason")
