@@ -156,6 +156,7 @@ class EngineCore:
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
+            num_waiting_tokens=sched.num_waiting_tokens,
             num_used_blocks=kv.num_used_blocks,
             kv_cache_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,

@@ -105,6 +105,7 @@ class EngineStats:
 
     num_running: int = 0
     num_waiting: int = 0
+    num_waiting_tokens: int = 0  # tokens of the waiting requests, all still to compute
     num_used_blocks: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0

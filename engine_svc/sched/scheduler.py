@@ -195,6 +195,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (all of them: waiting requests
+        hold no KV blocks). O(waiting), read once per loop turn for the load report."""
+        return sum(r.num_tokens for r in self.waiting)
+
     # -- the step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -5,7 +5,9 @@
     stream sinks ◀── (outputs, EngineStats) per turn ──────  publish an EngineStats snapshot
 
 Streams talk to it through a queue of small frozen commands; it hands each stream's
-outputs back through the stream's ``sink`` callback, once per turn. A sink must not
+outputs back through the stream's ``sink`` callback, once per turn, and to streams that
+subscribed, the turn's prefix-cache events through their ``kv_sink`` first (a snapshot
+when they subscribe; recorded only while some stream is subscribed). A sink must not
 block: the servicer's sink only schedules a put on its asyncio queue, so a slow or
 stalled reader on one stream never stalls the engine or the other streams. Other threads
 read the engine's state only from ``stats``, the snapshot published after every turn.
@@ -33,14 +35,18 @@ from dataclasses import dataclass, field
 
 from engine_svc.core import EngineCore
 from engine_svc.outputs import EngineOutput, EngineStats
+from engine_svc.sched.kv_events import KvEventLog, snapshot_events, split_events
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
 from engine_svc.types import ErrorCode, RequestError, SamplingParams
+from tandem_common.kv_events import KvEvent
 
 logger = logging.getLogger(__name__)
 
 # A sink receives (outputs, stats) per turn, or (None, stats) once the stream is done:
 # it was half-closed by its client and its last request finished.
 Sink = Callable[[list[EngineOutput] | None, EngineStats], None]
+# A KV sink receives batches of prefix-cache events, each of at most the hashes it asked for.
+KvSink = Callable[[list[KvEvent], EngineStats], None]
 
 
 # -- commands: what other threads ask of the engine thread ----------------------------
@@ -91,6 +97,15 @@ class CloseStream:
 
 
 @dataclass(frozen=True)
+class SubscribeKvEvents:
+    """Send the stream a snapshot of the prefix cache, then every turn's cache events."""
+
+    stream_id: int
+    sink: KvSink
+    max_hashes: int  # per batch, so that each fits one stream message
+
+
+@dataclass(frozen=True)
 class StartDraining:
     """Refuse new requests from now on; running ones go on."""
 
@@ -102,7 +117,7 @@ class FailAll:
     error: RequestError
 
 
-Command = OpenStream | Add | Abort | HalfClose | CloseStream | StartDraining | FailAll
+Command = OpenStream | Add | Abort | HalfClose | CloseStream | SubscribeKvEvents | StartDraining | FailAll
 
 
 @dataclass
@@ -110,6 +125,8 @@ class _Stream:
     sink: Sink
     live: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id, until finished
     half_closed: bool = False
+    kv_sink: KvSink | None = None
+    kv_max_hashes: int = 0
 
 
 class EngineLoop:
@@ -195,6 +212,9 @@ class EngineLoop:
     def close_stream(self, stream_id: int) -> None:
         self._push(CloseStream(stream_id))
 
+    def subscribe_kv_events(self, stream_id: int, sink: KvSink, max_hashes: int) -> None:
+        self._push(SubscribeKvEvents(stream_id, sink, max_hashes))
+
     def start_draining(self) -> None:
         self._push(StartDraining())
 
@@ -245,6 +265,8 @@ class EngineLoop:
                 self._num_adds_applying = 0
             if self.on_stats is not None:
                 self.on_stats(stats, step_outputs)
+            if core.kv_cache.events is not None:  # before the outputs: blocks first, then who made them
+                self._publish_kv_events(core.kv_cache.events.take(), stats)
             if outputs:
                 self._dispatch(outputs, stats)
 
@@ -266,7 +288,15 @@ class EngineLoop:
                 stream.half_closed = True
                 if not stream.live:
                     stream.sink(None, self.stats)
+            case SubscribeKvEvents(stream_id, sink, max_hashes) if (stream := self._streams.get(stream_id)) is not None:
+                if core.kv_cache.events is None:
+                    core.kv_cache.events = KvEventLog()
+                stream.kv_sink, stream.kv_max_hashes = sink, max_hashes
+                for batch in snapshot_events(core.kv_cache.cached_hashes(), max_hashes):
+                    sink(batch, self.stats)
             case CloseStream(stream_id) if (stream := self._streams.pop(stream_id, None)) is not None:
+                if stream.kv_sink is not None and not any(s.kv_sink for s in self._streams.values()):
+                    core.kv_cache.events = None  # nobody listens: record nothing
                 aborted = core.abort(list(stream.live.values()))
                 for out in aborted:
                     self._owners.pop(out.request_id, None)
@@ -304,6 +334,14 @@ class EngineLoop:
             self.events.queued(request)
         error_output = core.add_request(request)
         return [error_output] if error_output is not None else []
+
+    def _publish_kv_events(self, events: list[KvEvent], stats: EngineStats) -> None:
+        if not events:
+            return
+        for stream in self._streams.values():
+            if stream.kv_sink is not None:
+                for batch in split_events(events, stream.kv_max_hashes):
+                    stream.kv_sink(batch, stats)
 
     def _dispatch(self, outputs: list[EngineOutput], stats: EngineStats) -> None:
         by_stream: dict[int, list[EngineOutput]] = defaultdict(list)

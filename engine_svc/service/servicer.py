@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ from google.protobuf.message import DecodeError
 from engine_svc.outputs import EngineOutput, EngineStats
 from engine_svc.service.engine_loop import AddCommand, EngineLoop
 from engine_svc.types import DEFAULT_MAX_TOKENS, ErrorCode, FinishReason, Logprob, SamplingParams
+from tandem_common.kv_events import BlocksRemoved, BlocksStored, KvEvent, num_hashes
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 
@@ -36,6 +38,12 @@ TOKENIZER_FILES = (
 )
 TOKENIZER_CHUNK_BYTES = 1 << 20
 _CHUNK_HEADROOM_BYTES = 4096  # file name, offsets, size and sha256 around a chunk's data
+# Prefix-cache events per stream message: at most this many block hashes, and at most a
+# quarter of the message size limit (a hash takes 34 bytes on the wire; 40 leaves room for
+# the events around them). 4096 hashes are about 140 KiB; a snapshot of a large cache
+# (1 GiB of KV at 16 tokens a block can be 65k blocks) spans several messages.
+KV_EVENTS_MAX_HASHES = 4096
+_KV_HASH_WIRE_BYTES = 40
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -100,10 +108,21 @@ def output_to_proto(out: EngineOutput) -> pb.RequestOutput:
     return msg
 
 
+def kv_event_to_proto(event: KvEvent) -> pb.KvEvent:
+    if isinstance(event, BlocksStored):
+        return pb.KvEvent(
+            stored=pb.KvBlocksStored(parent_block_hash=event.parent_hash, block_hashes=event.block_hashes)
+        )
+    if isinstance(event, BlocksRemoved):
+        return pb.KvEvent(removed=pb.KvBlocksRemoved(block_hashes=event.block_hashes))
+    return pb.KvEvent(snapshot=pb.KvSnapshot(first=event.first, last=event.last, block_hashes=event.block_hashes))
+
+
 def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
     return pb.EngineLoad(
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
+        num_waiting_tokens=stats.num_waiting_tokens,
         kv_cache_usage=stats.kv_cache_usage,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_used_blocks=stats.num_used_blocks,
@@ -131,6 +150,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # A chunk plus its header must fit the server's send limit (--max-message-bytes),
         # or a tokenizer.json larger than the limit could never be handed out.
         self.tokenizer_chunk_bytes = max(1024, min(TOKENIZER_CHUNK_BYTES, max_message_bytes - _CHUNK_HEADROOM_BYTES))
+        self.kv_max_hashes = max(1, min(KV_EVENTS_MAX_HASHES, max_message_bytes // 4 // _KV_HASH_WIRE_BYTES))
 
     def attach(self, engine: EngineLoop, model_info: pb.GetModelInfoResponse, model_dir: Path) -> None:
         self.engine, self.model_info, self.model_dir = engine, model_info, model_dir
@@ -142,33 +162,53 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def Stream(self, request_iterator, context):
         engine = await self._require_engine(context)
+        # Items: (outputs, stats, kv events); outputs None once the stream is done.
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        sid = engine.open_stream(lambda outs, load: loop.call_soon_threadsafe(queue.put_nowait, (outs, load)))
-        reader = asyncio.create_task(self._read_commands(engine, sid, request_iterator))
+        sid = engine.open_stream(lambda outs, stats: loop.call_soon_threadsafe(queue.put_nowait, (outs, stats, ())))
+
+        def subscribe() -> None:
+            def kv_sink(events, stats) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, ([], stats, events))
+
+            engine.subscribe_kv_events(sid, kv_sink, self.kv_max_hashes)
+
+        reader = asyncio.create_task(self._read_commands(engine, sid, request_iterator, subscribe))
 
         def wake_on_failure(task: asyncio.Task) -> None:
             # A malformed control message must end the call even when no step output is due.
             if not task.cancelled() and task.exception() is not None:
-                queue.put_nowait((None, None))
+                queue.put_nowait((None, None, ()))
 
         reader.add_done_callback(wake_on_failure)
+        held = None  # an item that did not fit the last message
         try:
             while True:
-                outs, load = await queue.get()
+                outs, stats, kv = held or await queue.get()
+                held = None
                 if outs is None:
                     await _raise_reader_failure(reader, context)
                     return
-                batch = list(outs)
-                # A reader that fell behind gets the queued steps merged into one message.
+                batch, events = list(outs), list(kv)
+                # A reader that fell behind gets the queued steps merged into one message, as
+                # long as its prefix-cache events stay within kv_max_hashes.
                 done = False
                 while not queue.empty():
-                    more, load = queue.get_nowait()
-                    if more is None:
+                    item = queue.get_nowait()
+                    if item[0] is None:
                         done = True
                         break
-                    batch.extend(more)
-                yield pb.StreamResponse(outputs=[output_to_proto(o) for o in batch], load=load_to_proto(load))
+                    if item[2] and num_hashes(events) + num_hashes(item[2]) > self.kv_max_hashes:
+                        held = item
+                        break
+                    batch.extend(item[0])
+                    events.extend(item[2])
+                    stats = item[1]
+                yield pb.StreamResponse(
+                    outputs=[output_to_proto(o) for o in batch],
+                    load=load_to_proto(stats),
+                    kv_events=[kv_event_to_proto(e) for e in events],
+                )
                 await _raise_reader_failure(reader, context)
                 if done:
                     return
@@ -176,7 +216,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             reader.cancel()
             engine.close_stream(sid)
 
-    async def _read_commands(self, engine: EngineLoop, sid: int, request_iterator) -> None:
+    async def _read_commands(
+        self, engine: EngineLoop, sid: int, request_iterator, subscribe: Callable[[], None]
+    ) -> None:
         try:
             async for msg in request_iterator:
                 action = msg.WhichOneof("action")
@@ -195,6 +237,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     )
                 elif action == "abort":
                     engine.abort(sid, list(msg.abort.request_ids))
+                elif action == "subscribe_kv_events":
+                    subscribe()
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             engine.close_stream(sid)
             raise

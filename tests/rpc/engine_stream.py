@@ -31,6 +31,9 @@ class EngineStream:
         self.results: dict[str, Result] = defaultdict(Result)
         self.foreign_ids: list[str] = []  # outputs for ids this stream never added
         self.loads: list[pb.EngineLoad] = []
+        self.kv_events: list[pb.KvEvent] = []  # prefix-cache events, in arrival order
+        self.kv_hashes_per_message: list[int] = []  # for messages that carried any
+        self.kv_changed = asyncio.Event()  # set whenever kv events arrive
         self.call = self.stub.Stream(self._requests())
         self._reader = asyncio.create_task(self._read())
 
@@ -44,6 +47,12 @@ class EngineStream:
     async def _read(self) -> None:
         async for response in self.call:
             self.loads.append(response.load)
+            if response.kv_events:
+                self.kv_events.extend(response.kv_events)
+                self.kv_hashes_per_message.append(
+                    sum(len(getattr(e, e.WhichOneof("event")).block_hashes) for e in response.kv_events)
+                )
+                self.kv_changed.set()
             for out in response.outputs:
                 if out.request_id not in self.results:
                     self.foreign_ids.append(out.request_id)
@@ -69,6 +78,9 @@ class EngineStream:
             )
         )
         return result
+
+    def subscribe_kv_events(self) -> None:
+        self._outbox.put_nowait(pb.StreamRequest(subscribe_kv_events=pb.SubscribeKvEvents()))
 
     def abort(self, *request_ids: str) -> None:
         self._outbox.put_nowait(pb.StreamRequest(abort=pb.Abort(request_ids=list(request_ids))))

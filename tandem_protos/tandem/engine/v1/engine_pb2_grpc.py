@@ -41,6 +41,16 @@ class EngineServiceStub:
     context, queue full, engine draining) arrive in band as a RequestOutput with
     finish_reason ERROR and an Error; they never end the shared stream. The stream itself
     fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     def __init__(self, channel):
@@ -87,11 +97,22 @@ class EngineServiceServicer:
     context, queue full, engine draining) arrive in band as a RequestOutput with
     finish_reason ERROR and an Error; they never end the shared stream. The stream itself
     fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     def Stream(self, request_iterator, context):
         """Stream carries Add/Abort control messages in and one StreamResponse per engine step
-        out (only steps in which a request of this stream advanced or finished).
+        out (only steps in which a request of this stream advanced or finished or, for a
+        stream subscribed to prefix-cache events, in which the cache changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +187,16 @@ class EngineService:
     context, queue full, engine draining) arrive in band as a RequestOutput with
     finish_reason ERROR and an Error; they never end the shared stream. The stream itself
     fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     @staticmethod
