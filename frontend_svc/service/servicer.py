@@ -1,6 +1,6 @@
 """The public API, tandem.generate.v1.GenerateService: each call planned, routed, streamed.
 
-    GenerateRequest ── convert ──▶ GenerateInput ── planning ──▶ Plan ── router.pick(), add() ──▶ engine
+    GenerateRequest ── convert ──▶ GenerateInput ── planning ──▶ Plan ── router.route(), add() ──▶ engine
     engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
            ── convert ──▶ GenerateResponse (streamed)
 
@@ -19,7 +19,7 @@ import uuid
 
 import grpc
 
-from frontend_svc.engine.router import EngineRouter
+from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
 from frontend_svc.engine.types import EngineUnavailableError, ModelInfo
 from frontend_svc.service import convert
 from frontend_svc.service.metrics import FrontendMetrics
@@ -76,11 +76,14 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             plan = await _off_loop(request, self._plan, request, tokenizer, info)
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
+            # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
+            prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
             sent, tried = False, []
             while True:
-                client = self.router.pick(exclude=tried)
+                route = await self.router.route(prompt, exclude=tried)
+                client = route.client
                 try:
-                    async for response in self._stream(plan, client, request, context, stats):
+                    async for response in self._stream(plan, route, request, context, stats):
                         sent = True
                         yield response
                     break
@@ -107,7 +110,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             convert.generate_input(request), tokenizer, info, max_n=self.max_n, max_stop_strings=self.max_stop_strings
         )
 
-    async def _stream(self, plan: Plan, client, request, context, stats: GenerateStats):
+    async def _stream(self, plan: Plan, route: Route, request, context, stats: GenerateStats):
+        client = route.client
         wakeup = asyncio.Event()
         handles = []
         choices = [
@@ -124,7 +128,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             arrival = time.time()
             rids = [uuid.uuid4().hex for _ in range(plan.n)]
-            trace_context = stats.routed(client.address, rids)
+            trace_context = stats.routed(client.address, rids, route.reason.value, route.predicted_cached_tokens)
+            num_prefill_tokens = len(plan.prompt_token_ids) - (route.predicted_cached_tokens or 0)
             for i, rid in enumerate(rids):
                 handles.append(
                     client.add(
@@ -136,6 +141,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                         arrival_time=arrival,
                         wakeup=wakeup,
                         stream_interval=self.stream_interval,
+                        num_prefill_tokens=num_prefill_tokens,
                     )
                 )
             logger.debug(

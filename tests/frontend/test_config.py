@@ -7,6 +7,8 @@ from frontend_svc.config import FrontendConfig, build_parser
 FLAGS = [
     "--engine",
     "--dns-refresh-s",
+    "--routing",
+    "--routing-load-threshold",
     "--host",
     "--port",
     "--tokenizer",
@@ -74,3 +76,14 @@ def test_check_reports_unusable_combinations():
     problems = parse("--engine", "a:1", "--tls-cert", "c.pem", "--engine-tls-key", "k.pem", "--max-n", "0").check()
     assert len(problems) == 3
     assert parse("--engine", "a:1", "--engine-tls-ca", "ca.pem").engine_tls
+
+
+def test_routing_defaults_to_prefix_only_when_there_can_be_several_engines():
+    assert parse("--engine", "a:1").routing_policy == "least-load"
+    assert parse("--engine", "a:1", "--engine", "b:1").routing_policy == "prefix"
+    assert parse("--engine", "dns:///engines.ns.svc:50051").routing_policy == "prefix"
+    assert parse("--engine", "a:1", "--routing", "prefix").routing_policy == "prefix"
+    assert parse("--engine", "a:1", "--engine", "b:1", "--routing", "least-load").routing_policy == "least-load"
+    c = parse("--engine", "a:1", "--routing-load-threshold", "-1")
+    assert c.routing_load_threshold == -1 and any("--routing-load-threshold" in p for p in c.check())
+    assert parse("--engine", "a:1").routing_load_threshold == 8192
