@@ -14,8 +14,10 @@ Two policies (``--routing``):
                 never the prompt's last token)
       load(e) = tokens queued and running on e (see EngineClient.load_tokens)
       band    = engines with load(e) <= min over engines of load + threshold
-      pick    = the engine in band with the largest hit; ties: lower load, then fewer
-                cached blocks (a new prefix goes where there is most room), then random
+      pick    = the engine in band with the largest hit; ties: the lower load, then at random.
+                When no engine in band caches any of the prompt, the one caching the fewest
+                blocks (the most room for a new prefix, so that prefixes spread over the
+                engines' caches), then the lower load, then at random
 
   so one hot prefix fills its engine only until that engine carries ``threshold`` tokens
   more than the least loaded one; then requests spill over (the next engine caches the
@@ -35,9 +37,11 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# About a few steps of a CPU engine's work (a step's default budget is 1024 tokens); GPU
-# engines that batch hundreds of requests want more (--routing-load-threshold).
-DEFAULT_LOAD_THRESHOLD_TOKENS = 8192
+# A few requests' worth of context on a CPU engine: on the benchmark's multi-prefix workload
+# (benchmarks/README.md) 2048 kept 9 in 10 prompts on their engine while keeping queues even,
+# where 8192 let bursts of one prefix queue on one engine. GPU engines that run hundreds of
+# requests carry far more tokens and want a threshold to match (--routing-load-threshold).
+DEFAULT_LOAD_THRESHOLD_TOKENS = 2048
 
 
 class RoutingPolicy(enum.Enum):
@@ -73,10 +77,10 @@ def choose_by_prefix(
     """The prefix policy over ``candidates`` (at least one); returns the pick's index and why."""
     least = min(c.load_tokens for c in candidates)
     band = [i for i, c in enumerate(candidates) if c.load_tokens <= least + threshold_tokens]
-    pick = max(
-        band,
-        key=lambda i: (candidates[i].hit_tokens, -candidates[i].load_tokens, -candidates[i].num_cached_blocks, rand()),
-    )
+    if any(candidates[i].hit_tokens for i in band):
+        pick = max(band, key=lambda i: (candidates[i].hit_tokens, -candidates[i].load_tokens, rand()))
+    else:
+        pick = min(band, key=lambda i: (candidates[i].num_cached_blocks, candidates[i].load_tokens, rand()))
     best_hit = max(c.hit_tokens for c in candidates)
     if best_hit == 0:
         return pick, RoutingReason.NO_HIT

@@ -86,4 +86,4 @@ def test_routing_defaults_to_prefix_only_when_there_can_be_several_engines():
     assert parse("--engine", "a:1", "--engine", "b:1", "--routing", "least-load").routing_policy == "least-load"
     c = parse("--engine", "a:1", "--routing-load-threshold", "-1")
     assert c.routing_load_threshold == -1 and any("--routing-load-threshold" in p for p in c.check())
-    assert parse("--engine", "a:1").routing_load_threshold == 8192
+    assert parse("--engine", "a:1").routing_load_threshold == 2048

@@ -27,11 +27,13 @@ def test_prefix_policy_prefers_the_longest_hit_within_the_load_band():
     assert choose_by_prefix([Candidate(90, 64), Candidate(80, 64)], 1000) == (1, RoutingReason.PREFIX_HIT)
 
 
-def test_without_any_hit_the_least_loaded_then_the_emptiest_cache_wins():
+def test_without_any_hit_the_emptiest_cache_in_band_then_the_least_loaded_wins():
+    # A new prefix goes where the cache holds least, so prefixes spread over the caches...
     cands = [Candidate(10, 0, num_cached_blocks=0), Candidate(5, 0, num_cached_blocks=50)]
-    assert choose_by_prefix(cands, 100) == (1, RoutingReason.NO_HIT)
-    # Equal load: a new prefix goes where the cache holds least, so prefixes spread out.
-    tied = [Candidate(0, 0, num_cached_blocks=50), Candidate(0, 0, num_cached_blocks=3)]
+    assert choose_by_prefix(cands, 100) == (0, RoutingReason.NO_HIT)
+    # ... among engines within the load band only.
+    assert choose_by_prefix(cands, 4) == (1, RoutingReason.NO_HIT)
+    tied = [Candidate(9, 0, num_cached_blocks=3), Candidate(0, 0, num_cached_blocks=3)]
     assert all(choose_by_prefix(tied, 100) == (1, RoutingReason.NO_HIT) for _ in range(20))
     assert {least_loaded([Candidate(0), Candidate(0)]) for _ in range(64)} == {0, 1}  # ties at random
 
@@ -88,7 +90,7 @@ async def test_engines_hashing_otherwise_get_no_predictions():
     router = EngineRouter([], policy=RoutingPolicy.PREFIX)
     a = _client(router, "a:1", algorithm="md5-something")
     _client(router, "b:1", used_blocks=1)
-    router.index.apply("a:1", [BlocksStored(tuple(hash_blocks(PROMPT, 16)))])
+    assert not a.predicts_prefix_hits  # so its session never subscribes: the index holds nothing of it
     route = await router.route(PromptBlocks(PROMPT))
     assert route.client is a and route.reason is RoutingReason.NO_HIT and route.predicted_cached_tokens is None
 
