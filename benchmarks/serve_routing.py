@@ -13,6 +13,7 @@ Figures per policy, besides those of every serve run (serve.py's docstring):
 * ``prediction_agreement`` (prefix only): the share of calls whose predicted cached tokens
   (the frontend's index at routing time) equal the cached tokens the engine reported;
   ``predictions`` holds the counts (exact / over / under);
+* ``ttft_samples_ms``: every call's TTFT, for plots;
 * ``index_blocks_by_engine`` (prefix only): the blocks the frontend's index holds per
   engine at the end of the run: how the prompts were spread.
 
@@ -110,7 +111,7 @@ def format_comparison(report: dict) -> str:
     runs, ratios = report["runs"], report["comparison"]
 
     def row(name: str, cell) -> str:
-        return f"{name:<28}" + "".join(f"{cell(runs[p]):>22}" for p in POLICIES)
+        return f"{name:<28}" + "".join(f"{cell(runs[p]):>26}" for p in POLICIES)
 
     def ms(e: dict, key: str, stat: str) -> str:
         return f"{(e[key] or {}).get(stat, math.nan):.1f}"
@@ -162,18 +163,18 @@ def plot(report: dict, path: str) -> None:
         heights = [value(runs[p]) for p in POLICIES]
         ax.bar(POLICIES, heights, color=[colors[p] for p in POLICIES])
         for x, h in enumerate(heights):
-            ax.annotate(f"{h:.3g}", (x, h), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{h:.4g}", (x, h), ha="center", va="bottom", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     ax = axes[1]
     for p in POLICIES:
-        ttft = np.sort(np.asarray(runs[p]["_ttft_s"]) * 1e3)
+        ttft = np.sort(np.asarray(runs[p]["ttft_samples_ms"]))
         if len(ttft):
             ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", color=colors[p], label=p)
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_xscale("log")
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 3.0)))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3)
@@ -190,6 +191,11 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def replot(json_path: str, png_path: str) -> None:
+    """The plot again from a written report: ``python -c 'from benchmarks.serve_routing import replot; ...'``."""
+    plot(json.loads(Path(json_path).read_text()), png_path)
+
+
 def compare_routing(args) -> int:
     runs: dict[str, dict] = {}
     report: dict = {}
@@ -204,7 +210,7 @@ def compare_routing(args) -> int:
             run = asyncio.run(drive(args, frontend.address, frontend.proc.pid, None, on_rate=on_rate))
         entry = run["results"][0]
         entry.update(routing_figures(marks["start"], marks["end"]), routing=policy)
-        entry["_ttft_s"] = [r.ttft for r in entry["_results"] if r.ttft is not None]
+        entry["ttft_samples_ms"] = [round(r.ttft * 1e3, 3) for r in entry["_results"] if r.ttft is not None]
         runs[policy] = entry
         report = {key: run[key] for key in ("model", "workload", "num_requests", "seed")}
     report.update(
