@@ -125,6 +125,11 @@ async def test_a_request_sharing_a_warm_prefix_goes_to_the_engine_holding_it(clu
                 busy.cancel()
         assert line_b["engine"] == x and line_b["routing"] == "prefix_hit"
         assert line_b["predicted_cached_tokens"] == 48 and cached == 48
+    metrics = cluster.metrics()
+    assert metrics[("tandem_frontend_routing_decisions_total", (("reason", "prefix_hit"),))] >= 2
+    assert metrics[("tandem_frontend_prefix_predictions_total", (("outcome", "exact"),))] >= 4
+    assert metrics[("tandem_frontend_predicted_cached_tokens_total", ())] >= 96
+    assert metrics[("tandem_frontend_predicted_calls_cached_tokens_total", ())] >= 96
 
 
 async def test_an_overloaded_engine_holding_the_prefix_is_passed_over(cluster):
