@@ -209,6 +209,7 @@ class EngineCore:
             num_running=sched.num_running,
             num_waiting=sched.num_waiting + self.structured.num_waiting,
             num_paused=sched.num_paused,
+            num_waiting_tokens=sched.num_waiting_tokens,
             num_used_blocks=kv.num_used_blocks,
             kv_cache_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,

@@ -133,6 +133,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0  # queued, including requests whose grammar is being compiled
     num_paused: int = 0  # held back because their stream's reader lags (not in num_waiting)
+    num_waiting_tokens: int = 0  # tokens of the waiting requests, all still to compute
     num_used_blocks: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from frontend_svc.engine.routing import DEFAULT_LOAD_THRESHOLD_TOKENS
 from tandem_common.flags import LOG_LEVELS, HelpFormatter, float_in, int_in, message_bytes, metrics_port, port, seconds
 
 
@@ -17,6 +18,11 @@ class FrontendConfig:
     engines: list[str] = field(default_factory=list)
     dns_refresh_s: float = 10.0
     engine_stall_timeout_s: float = 10.0
+    # "least-load" or "prefix"; None: prefix when there can be two or more engines (two
+    # --engine flags or a dns:/// name), least-load with one (nothing to choose from, and
+    # the engine then records no prefix-cache events for this frontend).
+    routing: str | None = None
+    routing_load_threshold: int = DEFAULT_LOAD_THRESHOLD_TOKENS
     host: str = "127.0.0.1"
     port: int = 50050
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
@@ -74,10 +80,20 @@ class FrontendConfig:
             problems.append("--engine-stall-timeout-s must be positive")
         if not 0 < self.dns_refresh_s < math.inf:
             problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
+        if self.routing_load_threshold < 0:
+            problems.append("--routing-load-threshold must be >= 0")
         # A blank key would match an empty bearer token (the file is checked at start-up).
         if any(not key.strip() for key in self.api_keys):
             problems.append("--api-key must not be empty or blank")
         return problems
+
+    @property
+    def routing_policy(self) -> str:
+        """--routing, or its default for these engines."""
+        if self.routing is not None:
+            return self.routing
+        several = len(self.engines) >= 2 or any(e.startswith("dns:") for e in self.engines)
+        return "prefix" if several else "least-load"
 
     @property
     def engine_tls(self) -> bool:
@@ -126,6 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="an engine that sends nothing and answers no load query for this long is hung: its calls fail "
         "(those that streamed nothing yet are retried on another engine) and it gets no new ones until it "
         "answers again",
+    )
+    e.add_argument(
+        "--routing",
+        choices=["least-load", "prefix"],
+        default=None,
+        help="how each request picks an engine. least-load: the engine with the fewest queued and "
+        "running tokens. prefix: the engine that already caches the longest prefix of the prompt "
+        "(engines publish their prefix-cache blocks), unless its load exceeds the least loaded "
+        "engine's by --routing-load-threshold. Default: prefix with two or more --engine or a "
+        "dns:/// name, least-load with a single engine",
+    )
+    e.add_argument(
+        "--routing-load-threshold",
+        type=int_in(0),
+        default=d.routing_load_threshold,
+        metavar="TOKENS",
+        help="--routing prefix: send a request to an engine caching its prefix only while that engine's "
+        "queued and running tokens exceed the least loaded engine's by at most this many; beyond it "
+        "the prefix's requests spill over to less loaded engines. Lower spreads load, higher "
+        "keeps prefixes together; size it to a few steps of an engine's work",
     )
     e.add_argument("--engine-tls-ca", default=None, help="CA (PEM) that engine certificates must chain to; enables TLS")
     e.add_argument("--engine-tls-cert", default=None, help="client certificate (PEM) shown to engines (mutual TLS)")

@@ -240,6 +240,12 @@ class Scheduler:
     def num_paused(self) -> int:
         return len(self.paused)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (all of them: waiting requests
+        hold no KV blocks). O(waiting), read once per loop turn for the load report."""
+        return sum(r.num_tokens for r in self.waiting)
+
     # -- the step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -12,6 +12,12 @@ piece carries the finish). Beyond ``pause_bytes`` of backlog, ``put`` answers Tr
 the engine pauses the stream's requests, so the backlog stops growing; ``take()`` says
 when it is back to a quarter of that, and the servicer resumes them.
 
+Prefix-cache events (a stream subscribed to them) wait here too, in their batches of at
+most ``max_hashes`` hashes (the engine loop cuts them so): ``take()`` hands out the
+oldest batches first, as many as fit ``max_hashes`` together, and no outputs while any
+are left, so a request's blocks are announced no later than its outputs. They count in
+the backlog's size like outputs do.
+
 Sizes are upper bounds of the serialized protobuf (``RequestOutput`` inside
 ``StreamResponse``, every varint counted at its widest), computed from plain values: no
 protobuf here. A message built from one ``take()`` is never larger than
@@ -28,11 +34,18 @@ from dataclasses import dataclass, field
 
 from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
 from engine_svc.types import Logprob, RequestError
+from tandem_common.kv_events import KvEvent, num_hashes
 
 MAX_MESSAGE_BYTES = 4 << 20  # one message, at most (and at most a quarter of the gRPC limit)
 MAX_OUTPUTS_PER_MESSAGE = 256
 DEFAULT_PAUSE_BYTES = 16 << 20  # --stream-backlog-bytes
 MESSAGE_OVERHEAD_BYTES = 64  # the EngineLoad of a message, at its widest
+# Prefix-cache events per message: at most this many block hashes (and at most the
+# message's byte bound again: a hash takes 34 bytes on the wire, 40 leaves room for the
+# events around them). 4096 hashes are about 140 KiB; a snapshot of a large cache (1 GiB
+# of KV at 16 tokens a block can be 65k blocks) spans several messages.
+KV_EVENTS_MAX_HASHES = 4096
+KV_HASH_WIRE_BYTES = 40
 
 # Widest encodings: a tag is 1 byte (field numbers < 16), a uint32 or enum varint 5, a
 # float 4, a length prefix 5 (messages here stay far below 2**32 bytes).
@@ -86,6 +99,7 @@ class Batch:
 
     outputs: list[EngineOutput] = field(default_factory=list)
     rejected: list[RejectedAdd] = field(default_factory=list)
+    kv_events: list[KvEvent] = field(default_factory=list)
     stats: EngineStats | None = None  # the latest snapshot (the message's load figures)
     done: bool = False  # the stream is complete: nothing pending and nothing more will come
     resume: bool = False  # this take brought the backlog down to the resume level
@@ -104,8 +118,10 @@ class StreamBacklog:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_outputs: int = MAX_OUTPUTS_PER_MESSAGE,
         pause_bytes: int = DEFAULT_PAUSE_BYTES,
+        max_hashes: int = KV_EVENTS_MAX_HASHES,
     ) -> None:
         self.max_message_bytes = max_message_bytes
+        self.max_hashes = max_hashes
         self.max_outputs = max_outputs
         self.pause_bytes = pause_bytes
         self.resume_bytes = pause_bytes // 4
@@ -114,6 +130,7 @@ class StreamBacklog:
         self._sizes: dict[str, int] = {}  # output_bytes of each pending output
         self._merged: set[str] = set()  # pending outputs that are the backlog's own copies
         self._rejected: list[RejectedAdd] = []
+        self._kv_batches: list[list[KvEvent]] = []
         self._stats: EngineStats | None = None
         self._finished = False
         self._bytes = 0
@@ -141,6 +158,13 @@ class StreamBacklog:
                 else:
                     self._add(item)
             return self._bytes > self.pause_bytes
+
+    def put_events(self, events: list[KvEvent], stats: EngineStats) -> None:
+        """Queue one batch of prefix-cache events (at most ``max_hashes`` hashes)."""
+        with self._lock:
+            self._stats = stats
+            self._kv_batches.append(events)
+            self._bytes += KV_HASH_WIRE_BYTES * num_hashes(events)
 
     def finish(self, stats: EngineStats) -> None:
         """The stream is complete: once the backlog is taken, ``take`` says ``done``."""
@@ -175,6 +199,15 @@ class StreamBacklog:
         with self._lock:
             before = self._bytes
             batch = Batch(stats=self._stats)
+            while self._kv_batches and (
+                not batch.kv_events or num_hashes(batch.kv_events) + num_hashes(self._kv_batches[0]) <= self.max_hashes
+            ):
+                events = self._kv_batches.pop(0)
+                batch.kv_events.extend(events)
+                self._bytes -= KV_HASH_WIRE_BYTES * num_hashes(events)
+            if self._kv_batches:  # outputs only once their blocks are announced
+                batch.resume = before > self.resume_bytes >= self._bytes
+                return batch
             budget = self.max_message_bytes
             while self._rejected and rejected_bytes(self._rejected[0]) <= budget:
                 rejected = self._rejected.pop(0)

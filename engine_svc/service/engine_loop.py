@@ -9,8 +9,11 @@ outputs back through the stream's ``sink`` callback, once per turn. A sink must 
 block: the servicer's sink only appends to its stream's bounded backlog, so a slow or
 stalled reader on one stream never stalls the engine or the other streams. A sink that
 returns True says its reader lags too far behind: the engine pauses that stream's
-requests (``Scheduler.pause_requests``) until the stream asks to resume. Other threads
-read the engine's state only from ``stats``, the snapshot published after every turn.
+requests (``Scheduler.pause_requests``) until the stream asks to resume. Streams that
+subscribed get the turn's prefix-cache events through their ``kv_sink`` before their
+outputs (a snapshot when they subscribe; recorded only while some stream is subscribed).
+Other threads read the engine's state only from ``stats``, the snapshot published after
+every turn.
 
 Request ids are unique per stream, not per engine: inside the engine a request gets an
 engine-wide id, and ``_owners`` maps it back to (stream, client request id).
@@ -35,8 +38,10 @@ from dataclasses import dataclass, field
 
 from engine_svc.core import EngineCore
 from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
+from engine_svc.sched.kv_events import KvEventLog, snapshot_events, split_events
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
 from engine_svc.types import ErrorCode, FinishReason, RequestError, SamplingParams
+from tandem_common.kv_events import KvEvent
 from tandem_common.logs import printable
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,8 @@ logger = logging.getLogger(__name__)
 # order; refused duplicate adds come as RejectedAdd. It returns True to ask for a pause
 # (its reader lags beyond its bound), anything else to go on.
 Sink = Callable[[list[EngineOutput | RejectedAdd] | None, EngineStats], bool | None]
+# A KV sink receives batches of prefix-cache events, each of at most the hashes it asked for.
+KvSink = Callable[[list[KvEvent], EngineStats], None]
 
 
 # -- commands: what other threads ask of the engine thread ----------------------------
@@ -109,6 +116,15 @@ class CloseStream:
 
 
 @dataclass(frozen=True)
+class SubscribeKvEvents:
+    """Send the stream a snapshot of the prefix cache, then every turn's cache events."""
+
+    stream_id: int
+    sink: KvSink
+    max_hashes: int  # per batch, so that each fits one stream message
+
+
+@dataclass(frozen=True)
 class StartDraining:
     """Refuse new requests from now on; running ones go on."""
 
@@ -120,7 +136,18 @@ class FailAll:
     error: RequestError
 
 
-Command = OpenStream | Add | Abort | ResumeStream | HalfClose | HalfCloseAll | CloseStream | StartDraining | FailAll
+Command = (
+    OpenStream
+    | Add
+    | Abort
+    | ResumeStream
+    | HalfClose
+    | HalfCloseAll
+    | CloseStream
+    | SubscribeKvEvents
+    | StartDraining
+    | FailAll
+)
 
 
 @dataclass
@@ -129,6 +156,8 @@ class _Stream:
     live: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id, until finished
     half_closed: bool = False
     paused: bool = False  # its sink asked for a pause: its requests (and new adds) are held back
+    kv_sink: KvSink | None = None
+    kv_max_hashes: int = 0
 
 
 class EngineLoop:
@@ -222,6 +251,9 @@ class EngineLoop:
     def close_stream(self, stream_id: int) -> None:
         self._push(CloseStream(stream_id))
 
+    def subscribe_kv_events(self, stream_id: int, sink: KvSink, max_hashes: int) -> None:
+        self._push(SubscribeKvEvents(stream_id, sink, max_hashes))
+
     def start_draining(self) -> None:
         self._push(StartDraining())
 
@@ -275,6 +307,8 @@ class EngineLoop:
                 if self.events is not None:
                     self.events.after_step()
             stats = self._publish_stats(step_outputs)
+            if core.kv_cache.events is not None:  # before the outputs: blocks first, then who made them
+                self._publish_kv_events(core.kv_cache.events.take(), stats)
             if (outputs or self._rejected) and self._dispatch(outputs, stats):
                 self._publish_stats([])  # a stream was paused: its requests moved
 
@@ -312,7 +346,15 @@ class EngineLoop:
             case HalfCloseAll():
                 for stream in self._streams.values():
                     self._half_close(stream)
+            case SubscribeKvEvents(stream_id, sink, max_hashes) if (stream := self._streams.get(stream_id)) is not None:
+                if core.kv_cache.events is None:
+                    core.kv_cache.events = KvEventLog()
+                stream.kv_sink, stream.kv_max_hashes = sink, max_hashes
+                for batch in snapshot_events(core.kv_cache.cached_hashes(), max_hashes):
+                    sink(batch, self.stats)
             case CloseStream(stream_id) if (stream := self._streams.pop(stream_id, None)) is not None:
+                if stream.kv_sink is not None and not any(s.kv_sink for s in self._streams.values()):
+                    core.kv_cache.events = None  # nobody listens: record nothing
                 aborted = core.abort(list(stream.live.values()))
                 for out in aborted:
                     self._owners.pop(out.request_id, None)
@@ -361,6 +403,14 @@ class EngineLoop:
         if stream.paused:
             core.pause([engine_id])
         return []
+
+    def _publish_kv_events(self, events: list[KvEvent], stats: EngineStats) -> None:
+        if not events:
+            return
+        for stream in self._streams.values():
+            if stream.kv_sink is not None:
+                for batch in split_events(events, stream.kv_max_hashes):
+                    stream.kv_sink(batch, stats)
 
     def _dispatch(self, outputs: list[EngineOutput], stats: EngineStats) -> bool:
         """Hand each stream its outputs; True if a stream was paused meanwhile."""

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_svc.config import EngineConfig
 from engine_svc.service.servicer import EngineServicer
 from engine_svc.types import ErrorCode, RequestError
+from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
@@ -69,6 +70,7 @@ def model_info(core, config: EngineConfig) -> engine_pb2.GetModelInfoResponse:
         kv_capacity_tokens=runner.num_kv_blocks * config.block_size,
         architecture=runner.model_args.architecture,
         device=config.device,
+        block_hash_algorithm=BLOCK_HASH_ALGORITHM,
     )
     if runner.bos_token_id is not None:
         info.bos_token_id = runner.bos_token_id

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,8 @@ from google.protobuf.message import DecodeError
 
 from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
 from engine_svc.service.backlog import (
+    KV_EVENTS_MAX_HASHES,
+    KV_HASH_WIRE_BYTES,
     MAX_MESSAGE_BYTES,
     MAX_OUTPUTS_PER_MESSAGE,
     MESSAGE_OVERHEAD_BYTES,
@@ -27,6 +30,7 @@ from engine_svc.service.backlog import (
 )
 from engine_svc.service.engine_loop import AddCommand, EngineLoop
 from engine_svc.types import DEFAULT_MAX_TOKENS, ErrorCode, FinishReason, Logprob, SamplingParams
+from tandem_common.kv_events import BlocksRemoved, BlocksStored, KvEvent
 from tandem_common.sampling import StructuredOutput
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
@@ -158,9 +162,21 @@ def batch_to_proto(batch: Batch) -> pb.StreamResponse:
         response.rejected.extend(
             pb.RejectedAdd(request_id=r.request_id, error=_error_to_proto(r.error)) for r in batch.rejected
         )
+    if batch.kv_events:
+        response.kv_events.extend(kv_event_to_proto(e) for e in batch.kv_events)
     if batch.stats is not None:
         response.load.CopyFrom(load_to_proto(batch.stats))
     return response
+
+
+def kv_event_to_proto(event: KvEvent) -> pb.KvEvent:
+    if isinstance(event, BlocksStored):
+        return pb.KvEvent(
+            stored=pb.KvBlocksStored(parent_block_hash=event.parent_hash, block_hashes=event.block_hashes)
+        )
+    if isinstance(event, BlocksRemoved):
+        return pb.KvEvent(removed=pb.KvBlocksRemoved(block_hashes=event.block_hashes))
+    return pb.KvEvent(snapshot=pb.KvSnapshot(first=event.first, last=event.last, block_hashes=event.block_hashes))
 
 
 def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
@@ -168,6 +184,7 @@ def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
         num_paused=stats.num_paused,
+        num_waiting_tokens=stats.num_waiting_tokens,
         kv_cache_usage=stats.kv_cache_usage,
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_used_blocks=stats.num_used_blocks,
@@ -202,6 +219,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # Stream messages stay well under the limit: a quarter of it, 4 MiB at most.
         self.stream_message_bytes = min(MAX_MESSAGE_BYTES, max_message_bytes // 4)
         self.stream_backlog_bytes = stream_backlog_bytes
+        # Prefix-cache events ride in the same messages: at most as many hashes as fill that size again.
+        self.kv_max_hashes = max(1, min(KV_EVENTS_MAX_HASHES, self.stream_message_bytes // KV_HASH_WIRE_BYTES))
         self._open_streams: set[int] = set()
         self._closing = False  # shutting down: open streams end once flushed, new ones are refused
 
@@ -236,6 +255,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             max_message_bytes=self.stream_message_bytes - MESSAGE_OVERHEAD_BYTES,  # the load figures take the rest
             max_outputs=MAX_OUTPUTS_PER_MESSAGE,
             pause_bytes=self.stream_backlog_bytes,
+            max_hashes=self.kv_max_hashes,
         )
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()  # the backlog has something, or the reader failed
@@ -248,17 +268,34 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 backlog.finish(stats)
             else:
                 lagging = backlog.put(items, stats)
+            notify()
+            return lagging
+
+        def kv_sink(events: list[KvEvent], stats: EngineStats) -> None:
+            """On the engine thread: one batch of prefix-cache events (a subscribed stream)."""
+            backlog.put_events(events, stats)
+            notify()
+
+        def notify() -> None:
             try:
                 loop.call_soon_threadsafe(wake.set)
             except RuntimeError:  # the event loop closed (server shutdown): nobody reads
                 pass
-            return lagging
 
         sid = engine.open_stream(sink)
         self._open_streams.add(sid)
         if self._closing:  # opened while the engine was half-closing the others
             engine.half_close(sid)
-        reader = asyncio.create_task(self._read_commands(engine, sid, request_iterator, backlog, taken))
+        reader = asyncio.create_task(
+            self._read_commands(
+                engine,
+                sid,
+                request_iterator,
+                backlog,
+                taken,
+                lambda: engine.subscribe_kv_events(sid, kv_sink, self.kv_max_hashes),
+            )
+        )
         # A malformed control message must end the call even when no step output is due.
         reader.add_done_callback(lambda _: wake.set())
         try:
@@ -270,7 +307,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     batch = backlog.take()
                     if batch.resume:
                         engine.resume_stream(sid)
-                    if batch.outputs or batch.rejected:
+                    if batch.outputs or batch.rejected or batch.kv_events:
                         yield batch_to_proto(batch)
                         taken.set()
                         await _raise_reader_failure(reader, context)
@@ -278,7 +315,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                         if self._closing:
                             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine shut down; use another engine")
                         return
-                    if not (batch.outputs or batch.rejected):
+                    if not (batch.outputs or batch.rejected or batch.kv_events):
                         break
         finally:
             self._open_streams.discard(sid)
@@ -286,7 +323,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             engine.close_stream(sid)
 
     async def _read_commands(
-        self, engine: EngineLoop, sid: int, request_iterator, backlog: StreamBacklog, taken: asyncio.Event
+        self,
+        engine: EngineLoop,
+        sid: int,
+        request_iterator,
+        backlog: StreamBacklog,
+        taken: asyncio.Event,
+        subscribe: Callable[[], None],
     ) -> None:
         try:
             async for msg in request_iterator:
@@ -311,6 +354,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 elif action == "abort":
                     reason = _ABORT_FINISH.get(msg.abort.reason, FinishReason.ABORT)
                     engine.abort(sid, list(msg.abort.request_ids), reason)
+                elif action == "subscribe_kv_events":
+                    subscribe()
                 # Far behind: stop reading, so HTTP/2 flow control holds the client's writes.
                 while backlog.over_read_limit:
                     taken.clear()

@@ -3,7 +3,7 @@
 Requests go out and outputs come back in plain values: convert.py turns them into and
 out of the engine protocol, and each request's outputs land on its RequestHandle.
 
-    EngineRouter (router.py) ── picks by least outstanding work ──▶ EngineClient (one per address)
+    EngineRouter (router.py) ── routes by load and prefix ──▶ EngineClient (one per address)
                                                          ├─ channel (keepalive, reconnect backoff)
     servicer ── add() ──▶ RequestHandle ◀── outputs ─────┤  Stream: Add/Abort in, steps out
              ── abort() ────────────────────────────────▶┘
@@ -19,6 +19,11 @@ ends the session when nothing at all came from the engine for ``stall_timeout_s`
 stream message and no answer to GetLoad, which the client asks for every second the
 stream is quiet. A session starts only after the router accepted the engine's model
 (``accept``): same name, vocabulary and tokenizer files as the first engine accepted.
+
+With a PrefixIndex (prefix-aware routing), each session subscribes to the engine's
+prefix-cache events as its first message and applies them to the index as they come,
+before the outputs they arrive with; when the session ends the engine is dropped from the
+index at once, and the next session starts again from the engine's snapshot.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import grpc
 
 from frontend_svc.engine import convert
 from frontend_svc.engine.handle import RequestHandle
+from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.types import (
     EngineLoad,
     EngineRequestTooLargeError,
@@ -42,6 +48,7 @@ from frontend_svc.engine.types import (
     ModelInfo,
 )
 from frontend_svc.text.tokenizer import TOKENIZER_FILE_NAMES
+from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -76,6 +83,7 @@ class EngineClient:
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         accept: Callable[[EngineClient, ModelIdentity], str | None] | None = None,
         on_change: Callable[[], None] | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.address = address
         self.connected = False
@@ -89,7 +97,11 @@ class EngineClient:
         self._stall_timeout_s = stall_timeout_s
         self._accept = accept
         self._on_change = on_change
+        self._index = index
         self._requests: dict[str, RequestHandle] = {}
+        # Requests sent that have not produced a token yet -> their prompt tokens to compute.
+        self._unstarted: dict[str, int] = {}
+        self._unstarted_tokens = 0
         self._outbox: asyncio.Queue | None = None
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task | None = None
@@ -109,8 +121,24 @@ class EngineClient:
         return self.connected and not self.load.draining and not self.retiring and self.refused is None
 
     @property
-    def outstanding_work(self) -> int:
-        return self.num_outstanding + self.load.num_waiting + self.load.num_running
+    def load_tokens(self) -> int:
+        """Tokens queued and running on the engine, what routing balances.
+
+        As the engine last reported them (on its stream, or by GetLoad when the stream is
+        quiet): its waiting requests' tokens plus its KV blocks in use times the block size
+        (the context of its running requests). Plus the prompt tokens of this frontend's
+        requests sent to it that have not produced a token yet, so that a burst counts at
+        once, before the engine reports it; until their first token such requests may be
+        counted twice (also as waiting), which errs towards spreading a burst.
+        """
+        block_size = self.model_info.block_size if self.model_info is not None else 16
+        return self.load.num_waiting_tokens + self.load.num_used_blocks * block_size + self._unstarted_tokens
+
+    @property
+    def predicts_prefix_hits(self) -> bool:
+        """The index holds this engine's blocks: it hashes as this frontend does and subscribed."""
+        info = self.model_info
+        return self._index is not None and info is not None and info.block_hash_algorithm == BLOCK_HASH_ALGORITHM
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -141,6 +169,8 @@ class EngineClient:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._fail_all(reason)
+        if self._index is not None:
+            self._index.remove_engine(self.address)
         self._set_connected(False)
         if self._channel is not None:
             await self._channel.close()
@@ -186,6 +216,15 @@ class EngineClient:
         self._set_refused(None)
         self.model_info = model_info
         outbox: asyncio.Queue = asyncio.Queue()
+        if self.predicts_prefix_hits:
+            outbox.put_nowait(convert.subscribe_kv_events())
+        elif self._index is not None:
+            logger.warning(
+                "engine %s hashes prefix-cache blocks as %r, this frontend as %r: no prefix-aware routing to it",
+                self.address,
+                self.model_info.block_hash_algorithm or "(unnamed)",
+                BLOCK_HASH_ALGORITHM,
+            )
         call = stub.Stream(_drain(outbox))
         self._outbox = outbox
         self.load = EngineLoad()
@@ -207,6 +246,8 @@ class EngineClient:
                 raise
         finally:
             self._outbox = None
+            if self._index is not None:
+                self._index.remove_engine(self.address)
             watchdog.cancel()
             call.cancel()
         return self._hung or "the engine ended the stream"
@@ -285,7 +326,10 @@ class EngineClient:
             logger.warning(
                 "engine %s rejected an add for %s: %s", self.address, rejected.request_id, rejected.error.message
             )
+        if response.kv_events and self._index is not None:  # blocks first, then the outputs
+            self._index.apply(self.address, convert.kv_events(response.kv_events))
         for o in response.outputs:
+            self._started(o.request_id)
             handle = self._requests.get(o.request_id)
             if handle is None:
                 logger.debug("engine %s: output for unknown request %s dropped", self.address, o.request_id)
@@ -295,7 +339,12 @@ class EngineClient:
                 del self._requests[o.request_id]
             handle.deliver(out)
 
+    def _started(self, request_id: str) -> None:
+        self._unstarted_tokens -= self._unstarted.pop(request_id, 0)
+
     def _fail_all(self, reason: str) -> None:
+        self._unstarted.clear()
+        self._unstarted_tokens = 0
         requests, self._requests = self._requests, {}
         for handle in requests.values():
             handle.fail(EngineUnavailableError(reason))
@@ -313,9 +362,12 @@ class EngineClient:
         arrival_time: float | None = None,
         wakeup: asyncio.Event | None = None,
         stream_interval: int = 1,
+        num_prefill_tokens: int | None = None,
     ) -> RequestHandle:
         """Queue a request on this engine's stream; outputs arrive on the returned handle,
-        which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle)."""
+        which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle).
+        ``num_prefill_tokens`` (default: the prompt's length) counts in ``load_tokens``
+        until the request's first output."""
         if self._outbox is None or not self.connected:
             raise EngineUnavailableError(f"engine {self.address} is not connected")
         if request_id in self._requests:
@@ -339,6 +391,18 @@ class EngineClient:
         handle = RequestHandle(request_id, self, wakeup, stream_interval)
         self._requests[request_id] = handle
         self._outbox.put_nowait(message)
+        self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
+        self._unstarted_tokens += self._unstarted[request_id]
+        self._outbox.put_nowait(
+            convert.add_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority=priority,
+                arrival_time=time.time() if arrival_time is None else arrival_time,
+                trace_context=trace_context or {},
+            )
+        )
         return handle
 
     def abort(self, request_ids: list[str], *, stop_string: bool = False) -> None:
@@ -362,6 +426,7 @@ class EngineClient:
         if self._requests.get(handle.request_id) is handle:
             logger.warning("engine %s never confirmed the abort of %s", self.address, handle.request_id)
             del self._requests[handle.request_id]
+            self._started(handle.request_id)
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
         """Download the tokenizer files and check each against its sha256 ({} if the engine has none)."""

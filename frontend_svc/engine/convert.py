@@ -1,7 +1,9 @@
 """The engine protocol (tandem.engine.v1) <-> the frontend's plain types, both ways.
 
     SamplingParams, ids ── add_request() / abort_request() ──▶ StreamRequest   (to the engine)
+    subscribe_kv_events() ──▶ StreamRequest                                    (to the engine)
     RequestOutput  ── engine_output() ──▶ EngineOutput                         (from the engine)
+    KvEvent        ── kv_events() ──▶ tandem_common.kv_events values           (from the engine)
     EngineLoad, GetModelInfoResponse ── engine_load() / model_info() ──▶ EngineLoad, ModelInfo
 
 With the session in client.py (which opens the stubs) this is the only frontend code that
@@ -11,6 +13,7 @@ knows the engine's protobuf types; everything past it sees plain dataclasses.
 from __future__ import annotations
 
 from frontend_svc.engine.types import EngineError, EngineLoad, EngineOutput, ModelInfo
+from tandem_common.kv_events import BlocksRemoved, BlocksStored, CacheSnapshot, KvEvent
 from tandem_common.sampling import SamplingParams, StructuredOutput
 from tandem_common.types import ErrorCode, FinishReason, Logprob
 from tandem_protos.tandem.engine.v1 import engine_pb2
@@ -55,6 +58,10 @@ def abort_request(request_ids: list[str], *, stop_string: bool = False) -> engin
     """``stop_string``: the requests are complete (a stop string matched), not cancelled."""
     reason = engine_pb2.ABORT_REASON_STOP_STRING if stop_string else engine_pb2.ABORT_REASON_CANCELLED
     return engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=request_ids, reason=reason))
+
+
+def subscribe_kv_events() -> engine_pb2.StreamRequest:
+    return engine_pb2.StreamRequest(subscribe_kv_events=engine_pb2.SubscribeKvEvents())
 
 
 def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
@@ -130,8 +137,30 @@ def _logprob(lp: engine_pb2.TokenLogprob) -> Logprob:
     return Logprob(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
 
 
+def kv_events(events) -> list[KvEvent]:
+    """A StreamResponse's kv_events as plain values, in order; unknown kinds are skipped."""
+    out: list[KvEvent] = []
+    for e in events:
+        kind = e.WhichOneof("event")
+        if kind == "stored":
+            parent = e.stored.parent_block_hash if e.stored.HasField("parent_block_hash") else None
+            out.append(BlocksStored(tuple(e.stored.block_hashes), parent))
+        elif kind == "removed":
+            out.append(BlocksRemoved(tuple(e.removed.block_hashes)))
+        elif kind == "snapshot":
+            s = e.snapshot
+            out.append(CacheSnapshot(tuple(s.block_hashes), first=s.first, last=s.last))
+    return out
+
+
 def engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:
-    return EngineLoad(num_running=load.num_running, num_waiting=load.num_waiting, draining=load.draining)
+    return EngineLoad(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        draining=load.draining,
+        num_used_blocks=load.num_used_blocks,
+        num_waiting_tokens=load.num_waiting_tokens,
+    )
 
 
 def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -141,4 +170,6 @@ def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids),
         bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
+        block_size=info.block_size or 16,
+        block_hash_algorithm=info.block_hash_algorithm,
     )

@@ -65,6 +65,8 @@ class EngineLoad:
     num_running: int = 0
     num_waiting: int = 0
     draining: bool = False
+    num_used_blocks: int = 0  # KV blocks held by running requests
+    num_waiting_tokens: int = 0  # tokens of queued requests, all still to compute
 
 
 @dataclass
@@ -76,6 +78,8 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    block_size: int = 16  # tokens per KV block
+    block_hash_algorithm: str = ""  # "" from an engine that names none: no prefix predictions
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine.client import engine_credentials
 from frontend_svc.engine.router import EngineRouter
+from frontend_svc.engine.routing import RoutingPolicy
 from frontend_svc.service import servicer as generate
 from frontend_svc.service.flow import InFlightCalls
 from frontend_svc.service.malformed import MalformedRequestInterceptor
@@ -104,8 +105,11 @@ class FrontendServer:
             credentials=credentials,
             max_message_bytes=config.max_message_bytes,
             stall_timeout_s=config.engine_stall_timeout_s,
+            policy=RoutingPolicy(config.routing_policy),
+            load_threshold_tokens=config.routing_load_threshold,
         )
         self.metrics = FrontendMetrics()
+        self.metrics.watch_engines(self.router.engine_figures)
         self.tracer_provider = setup_tracing("tandem-frontend", config.otlp_endpoint)  # None: tracing off
         tracer = self.tracer_provider.get_tracer("frontend_svc") if self.tracer_provider is not None else None
         self.servicer = generate.GenerateServiceServicer(
@@ -159,11 +163,12 @@ class FrontendServer:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
         logger.info(
-            "listening on %s:%d (%s%s)",
+            "listening on %s:%d (%s%s), routing %s",
             cfg.host,
             self.port,
             "TLS" if cfg.tls_cert else "plaintext",
             ", API keys required" if keys else "",
+            cfg.routing_policy,
         )
         self._write_ready_file(serving=False)
         if cfg.metrics_port:

@@ -1,7 +1,7 @@
 """The public API, tandem.generate.v1.GenerateService: each call planned, routed, streamed.
 
     GenerateRequest ── sizes checked ── convert ──▶ GenerateInput ── planning ──▶ Plan
-                    ── router.pick(), add() ──▶ engine
+                    ── router.route(), add() ──▶ engine
     engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
            ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
 
@@ -23,7 +23,7 @@ import uuid
 
 import grpc
 
-from frontend_svc.engine.router import EngineRouter
+from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
 from frontend_svc.engine.types import EngineRequestTooLargeError, EngineUnavailableError, ModelInfo
 from frontend_svc.service import convert
 from frontend_svc.service.flow import Call, InFlightCalls
@@ -124,17 +124,20 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _serve(self, plan: Plan, call: Call, request, context, stats: GenerateStats) -> None:
         """Streams the plan's responses from one engine, or from a second one when the first
         refuses or fails before anything was written to the client."""
+        # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
+        prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
         sent, tried = False, []
         failure: Exception | None = None
         while True:
             try:
-                client = self.router.pick(exclude=tried)
+                route = await self.router.route(prompt, exclude=tried)
+                client = route.client
             except EngineUnavailableError:
                 if failure is not None:  # the retry found no engine: the first failure says more
                     raise failure from None
                 raise
             try:
-                async with contextlib.aclosing(self._stream(plan, client, request, context, stats)) as responses:
+                async with contextlib.aclosing(self._stream(plan, route, request, context, stats)) as responses:
                     async for response in responses:
                         sent = True
                         await call.write(context, response)
@@ -151,7 +154,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 tried.append(client)
                 failure = e
 
-    async def _stream(self, plan: Plan, client, request, context, stats: GenerateStats):
+    async def _stream(self, plan: Plan, route: Route, request, context, stats: GenerateStats):
+        client = route.client
         wakeup = asyncio.Event()
         handles = []
         choices = [
@@ -168,7 +172,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             arrival = time.time()
             rids = [uuid.uuid4().hex for _ in range(plan.n)]
-            trace_context = stats.routed(client.address, rids)
+            trace_context = stats.routed(client.address, rids, route.reason.value, route.predicted_cached_tokens)
+            num_prefill_tokens = len(plan.prompt_token_ids) - (route.predicted_cached_tokens or 0)
             for i, rid in enumerate(rids):
                 handles.append(
                     client.add(
@@ -180,6 +185,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                         arrival_time=arrival,
                         wakeup=wakeup,
                         stream_interval=self.stream_interval,
+                        num_prefill_tokens=num_prefill_tokens,
                     )
                 )
             logger.debug(

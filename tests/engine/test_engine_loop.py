@@ -86,3 +86,47 @@ def test_a_finished_compile_wakes_the_sleeping_loop(demo_model_dir):
     finally:
         loop.stop()
     assert outputs[-1].finished and outputs[-1].error is None
+
+
+def test_cache_events_are_recorded_only_while_a_stream_subscribes(demo_model_dir):
+    import time
+
+    from tandem_common.block_hash import hash_blocks
+    from tandem_common.kv_events import BlocksStored, CacheSnapshot
+
+    core = EngineCore(EngineConfig(model=str(demo_model_dir), num_kv_blocks=32, block_size=16))
+    loop = EngineLoop(core)
+    loop.start()
+    try:
+        batches, done = [], threading.Event()
+
+        def sink(outs, load):
+            if outs and any(o.finished for o in outs):
+                done.set()
+
+        quiet = loop.open_stream(sink)
+        loop.add(quiet, AddCommand("a", list(range(3, 40)), SamplingParams(max_tokens=1)))
+        assert done.wait(60)
+        assert core.kv_cache.events is None  # a stream that did not subscribe costs nothing
+
+        listener = loop.open_stream(lambda outs, load: None)
+        got = threading.Event()
+        loop.subscribe_kv_events(listener, lambda events, stats: (batches.append(events), got.set()), 100)
+        assert got.wait(10)
+        (snapshot,) = batches[0]
+        assert isinstance(snapshot, CacheSnapshot) and snapshot.first and snapshot.last
+        assert set(hash_blocks(list(range(3, 40)), 16)) <= set(snapshot.block_hashes)
+
+        done.clear()
+        loop.add(quiet, AddCommand("b", list(range(50, 90)), SamplingParams(max_tokens=1)))
+        assert done.wait(60)
+        stored = [e for b in batches[1:] for e in b if isinstance(e, BlocksStored)]
+        assert [h for e in stored for h in e.block_hashes] == hash_blocks(list(range(50, 90)), 16)
+
+        loop.close_stream(listener)  # the last subscriber leaves: recording stops
+        deadline = time.monotonic() + 10
+        while core.kv_cache.events is not None:
+            assert time.monotonic() < deadline, "still recording after the subscriber left"
+            time.sleep(0.01)
+    finally:
+        loop.stop()

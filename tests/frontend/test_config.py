@@ -7,6 +7,8 @@ from frontend_svc.config import FrontendConfig, build_parser
 FLAGS = [
     "--engine",
     "--dns-refresh-s",
+    "--routing",
+    "--routing-load-threshold",
     "--host",
     "--port",
     "--tokenizer",
@@ -99,3 +101,14 @@ def test_limits_and_timeouts_are_checked():
     ).check()
     assert len(problems) == 4, problems
     assert parse("--engine", "a:1", "--max-concurrent-calls", "0", "--stalled-client-timeout-s", "0").check() == []
+
+
+def test_routing_defaults_to_prefix_only_when_there_can_be_several_engines():
+    assert parse("--engine", "a:1").routing_policy == "least-load"
+    assert parse("--engine", "a:1", "--engine", "b:1").routing_policy == "prefix"
+    assert parse("--engine", "dns:///engines.ns.svc:50051").routing_policy == "prefix"
+    assert parse("--engine", "a:1", "--routing", "prefix").routing_policy == "prefix"
+    assert parse("--engine", "a:1", "--engine", "b:1", "--routing", "least-load").routing_policy == "least-load"
+    c = parse("--engine", "a:1", "--routing-load-threshold", "-1")
+    assert c.routing_load_threshold == -1 and any("--routing-load-threshold" in p for p in c.check())
+    assert parse("--engine", "a:1").routing_load_threshold == 2048

@@ -36,6 +36,9 @@ class EngineStream:
         self.rejected: list[pb.RejectedAdd] = []  # refused duplicate adds
         self.got_rejection = asyncio.Event()
         self.message_sizes: list[int] = []  # serialized size of every StreamResponse
+        self.kv_events: list[pb.KvEvent] = []  # prefix-cache events, in arrival order
+        self.kv_hashes_per_message: list[int] = []  # for messages that carried any
+        self.kv_changed = asyncio.Event()  # set whenever kv events arrive
         self.call = self.stub.Stream(self._requests())
         self._reader = asyncio.create_task(self._read())
 
@@ -53,6 +56,12 @@ class EngineStream:
             if response.rejected:
                 self.rejected.extend(response.rejected)
                 self.got_rejection.set()
+            if response.kv_events:
+                self.kv_events.extend(response.kv_events)
+                self.kv_hashes_per_message.append(
+                    sum(len(getattr(e, e.WhichOneof("event")).block_hashes) for e in response.kv_events)
+                )
+                self.kv_changed.set()
             for out in response.outputs:
                 if out.request_id not in self.results:
                     self.foreign_ids.append(out.request_id)
@@ -83,6 +92,9 @@ class EngineStream:
 
     def abort(self, *request_ids: str, reason: int = pb.ABORT_REASON_UNSPECIFIED) -> None:
         self._outbox.put_nowait(pb.StreamRequest(abort=pb.Abort(request_ids=list(request_ids), reason=reason)))
+
+    def subscribe_kv_events(self) -> None:
+        self._outbox.put_nowait(pb.StreamRequest(subscribe_kv_events=pb.SubscribeKvEvents()))
 
     def close(self) -> None:
         """Half-close: the engine finishes the stream's requests, then ends the call."""

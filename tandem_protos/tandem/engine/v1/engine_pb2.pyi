@@ -61,12 +61,18 @@ ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 
 class StreamRequest(_message.Message):
-    __slots__ = ("add", "abort")
+    __slots__ = ("add", "abort", "subscribe_kv_events")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBE_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     add: Add
     abort: Abort
-    def __init__(self, add: _Optional[_Union[Add, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    subscribe_kv_events: SubscribeKvEvents
+    def __init__(self, add: _Optional[_Union[Add, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., subscribe_kv_events: _Optional[_Union[SubscribeKvEvents, _Mapping]] = ...) -> None: ...
+
+class SubscribeKvEvents(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Add(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time", "trace_context")
@@ -169,14 +175,16 @@ class Abort(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("outputs", "load", "rejected")
+    __slots__ = ("outputs", "load", "rejected", "kv_events")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     load: EngineLoad
     rejected: _containers.RepeatedCompositeFieldContainer[RejectedAdd]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., rejected: _Optional[_Iterable[_Union[RejectedAdd, _Mapping]]] = ...) -> None: ...
+    kv_events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., rejected: _Optional[_Iterable[_Union[RejectedAdd, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
 
 class RejectedAdd(_message.Message):
     __slots__ = ("request_id", "error")
@@ -185,6 +193,40 @@ class RejectedAdd(_message.Message):
     request_id: str
     error: Error
     def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "snapshot")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    stored: KvBlocksStored
+    removed: KvBlocksRemoved
+    snapshot: KvSnapshot
+    def __init__(self, stored: _Optional[_Union[KvBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ..., snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...
+
+class KvBlocksStored(_message.Message):
+    __slots__ = ("parent_block_hash", "block_hashes")
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    parent_block_hash: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, parent_block_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvSnapshot(_message.Message):
+    __slots__ = ("first", "last", "block_hashes")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    first: bool
+    last: bool
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first: _Optional[bool] = ..., last: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_cached_tokens", "error")
@@ -239,7 +281,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining", "num_paused")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining", "num_paused", "num_waiting_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +289,7 @@ class EngineLoad(_message.Message):
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -254,14 +297,15 @@ class EngineLoad(_message.Message):
     num_used_blocks: int
     draining: bool
     num_paused: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_paused: _Optional[int] = ...) -> None: ...
+    num_waiting_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_paused: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "block_size", "num_kv_blocks", "kv_capacity_tokens", "architecture", "device")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "block_size", "num_kv_blocks", "kv_capacity_tokens", "architecture", "device", "block_hash_algorithm")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +317,7 @@ class GetModelInfoResponse(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -284,7 +329,8 @@ class GetModelInfoResponse(_message.Message):
     kv_capacity_tokens: int
     architecture: str
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    block_hash_algorithm: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., block_hash_algorithm: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

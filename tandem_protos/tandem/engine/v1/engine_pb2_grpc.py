@@ -54,6 +54,16 @@ class EngineServiceStub:
     to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
     requests only take longer. While the backlog is above twice the bound the engine also
     stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     def __init__(self, channel):
@@ -113,11 +123,22 @@ class EngineServiceServicer:
     to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
     requests only take longer. While the backlog is above twice the bound the engine also
     stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     def Stream(self, request_iterator, context):
         """Stream carries Add/Abort control messages in and one StreamResponse per engine step
-        out (only steps in which a request of this stream advanced or finished).
+        out (only steps in which a request of this stream advanced or finished or, for a
+        stream subscribed to prefix-cache events, in which the cache changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +226,16 @@ class EngineService:
     to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
     requests only take longer. While the backlog is above twice the bound the engine also
     stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     @staticmethod
