@@ -167,7 +167,7 @@ def load_model(
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.tie_weights()
-    model.inv_freq = rope_inv_freq(args).to(device)
+    model.rotary.inv_freq = rope_inv_freq(args).to(device)
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, vocab %d, %s on %s",

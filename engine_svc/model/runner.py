@@ -13,6 +13,7 @@ The runner never imports the scheduler.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,8 @@ import torch
 
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
-from engine_svc.model.native import load_decode_attention
+from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
+from engine_svc.model.native_layers import install_native_layers
 from engine_svc.model.packed_linear import pack_linears, packing_supported
 from engine_svc.model.sampler import Sampler
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -50,16 +52,46 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        native = kernels == "auto" and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        # The kernels compile (first use only) while the weights load.
+        build = threading.Thread(target=load_kernels, name="kernel-build", daemon=True)
+        if native:
+            build.start()
         self.model, self.model_args = load_model(model_dir, self.device, self.dtype)
-        self.num_packed_linears = 0
-        if kernels == "auto" and packing_supported(self.device, self.dtype):
-            self.num_packed_linears = pack_linears(self.model, batch_size_hint)
-            logger.info("matmuls: %d linear layers packed for oneDNN", self.num_packed_linears)
-        self.decode_kernel = None
-        if kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.float32:
-            self.decode_kernel = load_decode_attention()
-            if self.decode_kernel is not None:
-                logger.info("decode attention: native kernel reading the paged KV cache in place")
+        if native:
+            build.join()
+        self.kernels: NativeKernels | None = load_kernels() if native else None
+        # Where the linear layers run: "native" (gemm.c), "onednn" (packed) or "torch" (F.linear).
+        self.matmuls = "torch"
+        self.native_prefill = False
+        if self.kernels is not None:
+            # Hardware bfloat16 dot products (AVX512-BF16, AMX) are oneDNN's; everywhere
+            # else the native GEMM, which computes bfloat16 weights in float32.
+            if (
+                self.dtype == torch.bfloat16
+                and cpu_features().native_bf16
+                and packing_supported(self.device, self.dtype)
+            ):
+                self.matmuls = "onednn"
+            else:
+                self.matmuls = "native"
+            if install_native_layers(self.model, self.kernels, self.dtype, self.matmuls) == 0:
+                self.matmuls = "torch"
+            self.native_prefill = self.kernels.supports_prefill_attention(self.model_args.head_dim)
+        elif kernels == "auto" and packing_supported(self.device, self.dtype):
+            if pack_linears(self.model, batch_size_hint):
+                self.matmuls = "onednn"
+        if self.device.type == "cpu":
+            logger.info(
+                "kernels: %s; matmuls: %s; attention: %s",
+                f"native {self.kernels.isa} build" if self.kernels else "plain PyTorch",
+                self.matmuls,
+                "native (decode and prefill)"
+                if self.native_prefill
+                else "native decode"
+                if self.kernels
+                else "PyTorch",
+            )
         args = self.model_args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
@@ -171,7 +203,8 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             workspace=self.workspace,
-            decode_kernel=self.decode_kernel,
+            kernels=self.kernels,
+            native_prefill=self.native_prefill,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, positions.to(self.device, non_blocking=True), meta

@@ -43,9 +43,10 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     key = tuple(prompt)
     if key not in hf.greedy_cache:
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                              do_sample=False, pad_token_id=0)
-        hf.greedy_cache[key] = out[0, len(prompt):].tolist()
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0
+            )
+        hf.greedy_cache[key] = out[0, len(prompt) :].tolist()
     return hf.greedy_cache[key]
 
 
@@ -61,8 +62,14 @@ def _assert_same_or_near_tie(hf, prompt: list[int], ours: list[int], theirs: lis
 
 
 def _engine(path, **overrides) -> EngineCore:
-    config = EngineConfig(model=str(path), num_kv_blocks=overrides.pop("num_kv_blocks", 512), block_size=16,
-                          max_num_seqs=overrides.pop("max_num_seqs", 64), **overrides)
+    config = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=overrides.pop("num_kv_blocks", 512),
+        block_size=16,
+        max_num_seqs=overrides.pop("max_num_seqs", 64),
+        **overrides,
+    )
     return EngineCore(config)
 
 
@@ -75,13 +82,14 @@ REGIMES = {
 
 
 def _assert_kernels(core: EngineCore, kernels: str) -> None:
-    """The path under test is the one that ran: packed matmuls and the native decode
-    kernel with ``auto`` (a C compiler is part of the test set-up), neither with ``torch``."""
+    """The path under test is the one that ran: with ``auto`` the native kernels (a C
+    compiler is part of the test set-up) for matmuls, norms, RoPE and both attentions;
+    with ``torch`` none of them."""
     runner = core.runner
     if kernels == "torch":
-        assert runner.num_packed_linears == 0 and runner.decode_kernel is None
+        assert runner.matmuls == "torch" and runner.kernels is None
     else:
-        assert runner.num_packed_linears > 0 and runner.decode_kernel is not None
+        assert runner.kernels is not None and runner.matmuls != "torch" and runner.native_prefill
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -131,12 +139,18 @@ def test_prompt_and_output_logprobs_match_transformers(model, kernels):
 def test_seeded_sampling_is_reproducible(model):
     path, _ = model
     prompts = _prompts(5)[4:12]
-    seeded = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
-              for i in range(len(prompts))]
+    seeded = [
+        SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     first = [r.output_token_ids for r in _engine(path).generate(prompts, seeded)]
     # A different batch composition and a different engine instance.
-    second = [r.output_token_ids for r in _engine(path, max_num_batched_tokens=32).generate(prompts[::-1], seeded[::-1])]
+    second = [
+        r.output_token_ids for r in _engine(path, max_num_batched_tokens=32).generate(prompts[::-1], seeded[::-1])
+    ]
     assert first == second[::-1]
-    other = _engine(path).generate(prompts, [SamplingParams(max_tokens=10, temperature=1.0, seed=999 + i,
-                                                            ignore_eos=True) for i in range(len(prompts))])
+    other = _engine(path).generate(
+        prompts,
+        [SamplingParams(max_tokens=10, temperature=1.0, seed=999 + i, ignore_eos=True) for i in range(len(prompts))],
+    )
     assert [r.output_token_ids for r in other] != first
