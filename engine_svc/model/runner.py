@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
 from engine_svc.model.native_layers import install_native_layers
 from engine_svc.model.packed_linear import pack_linears, packing_supported
 from engine_svc.model.sampler import Sampler
+from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import RequestView, SamplingParams
 
@@ -93,6 +95,15 @@ class ModelRunner:
                 else "PyTorch",
             )
         args = self.model_args
+        # Thread count per step, by measurement (threads.py); only where tokens do not
+        # depend on it: the native kernels never split a sum across threads.
+        self.threads = ThreadGovernor(torch.get_num_threads()) if self.matmuls == "native" else None
+        # Arithmetic per token of the linear layers, and per (query, key) pair of attention,
+        # the governor's unit of work.
+        qkv = args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        mlp = 3 * args.hidden_size * args.intermediate_size
+        self._linear_work = 2 * args.num_layers * (qkv + args.num_heads * args.head_dim * args.hidden_size + mlp)
+        self._attention_work = 4 * args.num_layers * args.num_heads * args.head_dim
         self.vocab_size = args.vocab_size
         self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         args.check_max_model_len(self.max_model_len)
@@ -162,6 +173,9 @@ class ModelRunner:
         chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
         batch = decodes + chunks
 
+        t0 = time.perf_counter()
+        if self.threads is not None:
+            self.threads.before_step(scheduler_output.num_tokens)
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = _logits_rows(batch)
         with torch.inference_mode():
@@ -180,7 +194,18 @@ class ModelRunner:
                     logits = self._logits(hidden, job.rows[i : i + PROMPT_LOGITS_CHUNK])
                     targets = job.target_token_ids[i : i + PROMPT_LOGITS_CHUNK]
                     entries += self.sampler.prompt_logprobs(logits, targets, job.num_top)
+        if self.threads is not None:
+            self.threads.after_step(time.perf_counter() - t0, self._step_work(batch))
         return output
+
+    def _step_work(self, batch: list[ScheduledRequest]) -> float:
+        """The step's modelled arithmetic: linear layers per token, attention per (query, key) pair."""
+        tokens = pairs = 0
+        for s in batch:
+            n = s.num_new_tokens
+            tokens += n
+            pairs += n * (2 * s.start + n + 1) // 2
+        return float(tokens * self._linear_work + pairs * self._attention_work)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """LM head over the given rows of ``hidden`` only: [len(rows), vocab] float32."""
