@@ -1,6 +1,6 @@
 """Write the benchmark model: a random-weight Llama with SmolLM-135M shapes, vocab 8192.
 
-    python -m benchmarks.make_model DIR [--dtype float32]
+    python -m benchmarks.make_model DIR [--dtype float32|bfloat16]
 
 Shapes: hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied embeddings.
 A byte-level BPE tokenizer of exactly 8192 ids (``<unk>``, ``<s>``, ``</s>`` first, trained
@@ -14,7 +14,9 @@ import argparse
 from pathlib import Path
 
 
-def make_benchmark_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+def make_benchmark_model(out_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """The model in ``out_dir`` (kept if it exists); ``dtype`` of the saved weights (the same
+    random weights either way, rounded for bfloat16)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -37,7 +39,7 @@ def make_benchmark_model(out_dir: str | Path, *, seed: int = 0) -> Path:
         eos_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out)
     write_tokenizer(out, config.vocab_size)
@@ -84,8 +86,9 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights")
     args = p.parse_args(argv)
-    print(f"benchmark model in {make_benchmark_model(args.dir)}")
+    print(f"benchmark model in {make_benchmark_model(args.dir, dtype=args.dtype)}")
     return 0
 
 

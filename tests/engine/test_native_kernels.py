@@ -76,6 +76,18 @@ def test_dispatch_follows_the_cpu_flags(cpuinfo, isa, native_bf16):
     assert features.model_name != "unknown"
 
 
+@pytest.mark.parametrize("cpuinfo,dtype", [(ZEN3, torch.float32), (ZEN4, torch.bfloat16), (SPR, torch.bfloat16)])
+def test_dtype_auto_follows_the_cpu(monkeypatch, caplog, cpuinfo, dtype):
+    from engine_svc.model import loader
+
+    monkeypatch.setattr(loader, "cpu_features", lambda: parse_cpuinfo(cpuinfo))
+    with caplog.at_level("INFO", logger=loader.__name__):
+        assert loader.resolve_dtype("auto", "cpu") == dtype
+    assert "dtype auto: " + str(dtype).removeprefix("torch.") in caplog.text  # the choice is logged, with why
+    assert loader.resolve_dtype("auto", "cuda") == torch.float32  # the GPU default is unchanged
+    assert loader.resolve_dtype("bfloat16", "cpu") == torch.bfloat16  # explicit choices stand
+
+
 _LOAD = "from engine_svc.model.native import load_kernels as k; x = k(); print(x.isa if x else None)"
 
 
