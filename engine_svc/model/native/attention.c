@@ -38,73 +38,129 @@
 #define MR 12 /* rows per register tile */
 
 /* Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
- * while token i of a block is read, token i of the next block is requested. */
-static inline void prefetch_span(const char *p, size_t num_bytes) {
-    for (size_t i = 0; i < num_bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+ * while a block is read, the next one is requested, part `part` of `parts` at a time so
+ * that the requests do not pile up. */
+static inline void prefetch_part(const char *p, size_t num_bytes, int part, int parts) {
+    const size_t lines = (num_bytes + 63) / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+    for (size_t i = lo; i < hi; i++) __builtin_prefetch(p + 64 * i, 0, 3);
 }
 
 static inline float dot(const float *a, const void *b, size_t boff, int n, int dtype) {
     vf acc = vzero();
     int d = 0;
     for (; d + TK_VL <= n; d += TK_VL) acc += vload(a + d) * vload_any(b, boff + d, dtype);
-    float s = 0.0f;
-    for (int l = 0; l < TK_VL; l++) s += acc[l];
+    float s = vhsum(acc);
     for (; d < n; d++) s += a[d] * load_any(b, boff + d, dtype);
     return s;
 }
 
-static inline void axpy(float *o, float p, const void *v, size_t voff, int n, int dtype) {
-    const vf pv = vbcast(p);
+/* The lane sums of 8 vectors, as one array of 8. */
+static inline void hsum8(const vf acc[8], float *out) {
+#if !defined(__AVX512F__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+    for (int i = 0; i < 8; i++) out[i] = vhsum(acc[i]);
+#endif
+}
+
+/* scores[0..8) = q . k_t for 8 tokens whose keys start at k + t * stride (head_dim a
+ * multiple of TK_VL): 8 partial-sum vectors, reduced together. */
+static inline __attribute__((always_inline)) void dots8(const float *q, const void *k, size_t koff, size_t stride, int head_dim, int dtype,
+                         float *scores) {
+    vf acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = vzero();
+    for (int d = 0; d < head_dim; d += TK_VL) {
+        const vf qv = vload(q + d);
+        for (int t = 0; t < 8; t++) acc[t] += qv * vload_any(k, koff + (size_t)t * stride + d, dtype);
+    }
+    hsum8(acc, scores);
+}
+
+/* o[0..nv vectors) += sum_t p[t] * v_t for n tokens whose values start at v + t * stride;
+ * the nv (a literal at each call) output vectors stay in registers over the tokens. */
+static inline __attribute__((always_inline)) void weighted_sum_nv(const int nv, float *o, const float *p,
+                                                                  const void *v, size_t voff, size_t stride, int n,
+                                                                  int dtype) {
+    vf acc[8];
+    for (int j = 0; j < nv; j++) acc[j] = vload(o + j * TK_VL);
+    for (int t = 0; t < n; t++) {
+        const vf pt = vbcast(p[t]);
+        for (int j = 0; j < nv; j++) acc[j] += pt * vload_any(v, voff + (size_t)t * stride + j * TK_VL, dtype);
+    }
+    for (int j = 0; j < nv; j++) vstore(o + j * TK_VL, acc[j]);
+}
+
+static inline __attribute__((always_inline)) void weighted_sum(float *o, const float *p, const void *v, size_t voff,
+                                                               size_t stride, int n, int head_dim, int dtype) {
     int d = 0;
-    for (; d + TK_VL <= n; d += TK_VL) vstore(o + d, vload(o + d) + pv * vload_any(v, voff + d, dtype));
-    for (; d < n; d++) o[d] += p * load_any(v, voff + d, dtype);
+    for (; d + 8 * TK_VL <= head_dim; d += 8 * TK_VL) weighted_sum_nv(8, o + d, p, v, voff + d, stride, n, dtype);
+    for (; d < head_dim; d += TK_VL) weighted_sum_nv(1, o + d, p, v, voff + d, stride, n, dtype);
 }
 
 /* Softmax in place over s[0 .. n). */
 static void softmax(float *s, int n) {
     float m = -INFINITY;
     for (int t = 0; t < n; t++) m = fmaxf(m, s[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < n; t++) {
-        s[t] = exp_nonpositive(s[t] - m);
-        sum += s[t];
+    vf sum = vzero();
+    int t = 0;
+    for (; t + TK_VL <= n; t += TK_VL) {
+        const vf e = vexp_nonpositive(vload(s + t) - m);
+        vstore(s + t, e);
+        sum += e;
     }
-    const float c = 1.0f / sum;
-#pragma omp simd
-    for (int t = 0; t < n; t++) s[t] *= c;
+    float total = vhsum(sum);
+    for (; t < n; t++) {
+        s[t] = exp_nonpositive(s[t] - m);
+        total += s[t];
+    }
+    const float c = 1.0f / total;
+    for (t = 0; t < n; t++) s[t] *= c;
 }
 
-/* One decode row. qf: the row's query heads in float32, pre-scaled; of: float32 output. */
-static void decode_row(float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table,
+/* One decode row. qf: the row's query heads in float32, pre-scaled; of: float32 output;
+ * scores [heads][len]. Block by block, every head reads the block while it is in L1, and
+ * the next block is requested while this one is worked on. */
+static inline __attribute__((always_inline)) void decode_row(float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table,
                        int len, int num_heads, const int *kv_head_of, int head_dim, int block_size,
                        size_t token_stride, size_t elem, int dtype, float *scores) {
     const size_t block_elems = (size_t)block_size * token_stride;
     const int num_blocks = (len + block_size - 1) / block_size;
+    const int vec = head_dim % TK_VL == 0;
     for (int b = 0; b < num_blocks; b++) {
         const size_t kb = (size_t)table[b] * block_elems;
-        const size_t k_next = (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems;
+        const char *k_next = k_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
         const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
-        for (int i = 0; i < n; i++) {
-            prefetch_span(k_cache + (k_next + (size_t)i * token_stride) * elem, token_stride * elem);
-            const size_t krow = kb + (size_t)i * token_stride;
-            for (int h = 0; h < num_heads; h++)
-                scores[(size_t)h * len + t0 + i] =
-                    dot(qf + (size_t)h * head_dim, k_cache, krow + (size_t)kv_head_of[h] * head_dim, head_dim, dtype);
+        for (int h = 0; h < num_heads; h++) {
+            prefetch_part(k_next, block_elems * elem, h, num_heads);
+            const float *qh = qf + (size_t)h * head_dim;
+            float *sh = scores + (size_t)h * len + t0;
+            const size_t koff = kb + (size_t)kv_head_of[h] * head_dim;
+            int i = 0;
+            if (vec)
+                for (; i + 8 <= n; i += 8) dots8(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
+            for (; i < n; i++) sh[i] = dot(qh, k_cache, koff + (size_t)i * token_stride, head_dim, dtype);
         }
     }
     for (int h = 0; h < num_heads; h++) softmax(scores + (size_t)h * len, len);
     memset(of, 0, sizeof(float) * (size_t)num_heads * head_dim);
     for (int b = 0; b < num_blocks; b++) {
         const size_t vb = (size_t)table[b] * block_elems;
-        const size_t v_next = (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems;
+        const char *v_next = v_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
         const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
-        for (int i = 0; i < n; i++) {
-            prefetch_span(v_cache + (v_next + (size_t)i * token_stride) * elem, token_stride * elem);
-            const size_t vrow = vb + (size_t)i * token_stride;
-            for (int h = 0; h < num_heads; h++)
-                axpy(of + (size_t)h * head_dim, scores[(size_t)h * len + t0 + i], v_cache,
-                     vrow + (size_t)kv_head_of[h] * head_dim, head_dim, dtype);
+        for (int h = 0; h < num_heads; h++) {
+            prefetch_part(v_next, block_elems * elem, h, num_heads);
+            const size_t voff = vb + (size_t)kv_head_of[h] * head_dim;
+            const float *ph = scores + (size_t)h * len + t0;
+            float *oh = of + (size_t)h * head_dim;
+            if (vec) {
+                weighted_sum(oh, ph, v_cache, voff, token_stride, n, head_dim, dtype);
+            } else {
+                for (int i = 0; i < n; i++)
+                    for (int d = 0; d < head_dim; d++) oh[d] += ph[i] * load_any(v_cache, voff + (size_t)i * token_stride + d, dtype);
+            }
         }
     }
 }
@@ -138,9 +194,14 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
             if (scores == NULL) continue;
             const int len = ctx_lens[row] > 0 ? (ctx_lens[row] < max_ctx_len ? ctx_lens[row] : max_ctx_len) : 0;
             for (size_t i = 0; i < row_elems; i++) qf[i] = scale * load_any(q, (size_t)row * q_row_stride + i, dtype);
-            if (len > 0)
-                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, block_table + (size_t)row * table_stride,
-                           len, num_heads, kv_head_of, head_dim, block_size, token_stride, elem, dtype, scores);
+            const int32_t *table = block_table + (size_t)row * table_stride;
+            /* one copy of the row loop per dtype, so no load tests the dtype */
+            if (len > 0 && dtype == TK_BF16)
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, kv_head_of,
+                           head_dim, block_size, token_stride, elem, TK_BF16, scores);
+            else if (len > 0)
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, kv_head_of,
+                           head_dim, block_size, token_stride, elem, TK_F32, scores);
             else
                 memset(of, 0, sizeof(float) * row_elems);
             size_t i = 0;
