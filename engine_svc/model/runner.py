@@ -13,11 +13,13 @@ The runner never imports the scheduler.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
@@ -150,13 +152,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[KVCache]:
         args = self.model_args
+        shape = (args.num_layers, 2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim)
         # Zeroed, not empty: masked padding reads these slots, and softmax weight 0 times
-        # a garbage NaN would still be NaN.
-        cache = torch.zeros(
-            (args.num_layers, 2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        # a garbage NaN would still be NaN. On CPU the zeros come from calloc (numpy), whose
+        # large blocks are fresh pages the OS zeroes when first written: a GiB-sized cache
+        # costs nothing at start-up, and a block is paid for when it is first used.
+        if self.device.type == "cpu":
+            nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+            cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
+        else:
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(args.num_layers)]
 
     # -- the step ---------------------------------------------------------------------
