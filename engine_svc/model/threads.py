@@ -37,16 +37,16 @@ ALPHA = 0.5  # weight of the newest measurement
 
 @dataclass
 class _SizeClass:
+    interval: int  # steps between two tries of a count that is not the best
     cost: dict[int, float] = field(default_factory=dict)  # threads -> seconds per unit of work
     since: dict[int, int] = field(default_factory=dict)  # threads -> steps since last measured
-    interval: int = MIN_INTERVAL
 
-    def choose(self, choices: tuple[int, ...]) -> tuple[int, bool]:
-        """(threads, whether this is a try of the slower count)."""
-        for n in choices:
-            if n not in self.cost:
-                return n, False
-        best = min(choices, key=self.cost.__getitem__)
+    def choose(self, choices: tuple[int, ...], preferred: int) -> tuple[int, bool]:
+        """(threads, whether this is a try of a count other than the best known)."""
+        measured = [n for n in choices if n in self.cost]
+        if not measured:
+            return preferred, False
+        best = min(measured, key=self.cost.__getitem__)
         for n in choices:
             if n != best and self.since.get(n, 0) >= self.interval:
                 return n, True
@@ -54,9 +54,15 @@ class _SizeClass:
 
 
 class ThreadGovernor:
+    """One estimate per size class; what one class learns about the machine (which count
+    wins, and by how much) seeds the classes met later, since a busy machine is busy for
+    steps of every size."""
+
     def __init__(self, max_threads: int) -> None:
         self.choices = (max_threads, 1) if max_threads > 1 else (1,)
         self._classes: dict[int, _SizeClass] = {}
+        self._preferred = self.choices[0]
+        self._interval = MIN_INTERVAL
         self._current = torch.get_num_threads()
         self._step: tuple[_SizeClass, int, bool] | None = None
 
@@ -65,8 +71,11 @@ class ThreadGovernor:
         return self._current
 
     def before_step(self, num_tokens: int) -> None:
-        size = self._classes.setdefault(min(num_tokens, 1 << 16).bit_length(), _SizeClass())
-        n, trying = size.choose(self.choices)
+        key = min(num_tokens, 1 << 16).bit_length()
+        size = self._classes.get(key)
+        if size is None:
+            size = self._classes[key] = _SizeClass(interval=self._interval)
+        n, trying = size.choose(self.choices, self._preferred)
         if n != self._current:
             torch.set_num_threads(n)
             self._current = n
@@ -85,8 +94,10 @@ class ThreadGovernor:
             best = min(c for m, c in size.cost.items() if m != n)
             clear = size.cost[n] > CLEAR_MARGIN * best
             size.interval = min(2 * size.interval, MAX_INTERVAL) if clear else MIN_INTERVAL
+            self._interval = size.interval
+            self._preferred = min(size.cost, key=size.cost.__getitem__)
             logger.debug("threads %d: %.3g s/unit vs %.3g (%s)", n, size.cost[n], best, "clear" if clear else "close")
 
     def summary(self) -> dict[str, dict[int, float]]:
-        """Per size class (up to N tokens): seconds per unit of work at each thread count."""
+        """Per size class (fewer than N tokens): seconds per unit of work at each thread count."""
         return {f"< {1 << k} tokens": dict(c.cost) for k, c in sorted(self._classes.items())}
