@@ -8,7 +8,8 @@ Runs the workload in-process (all requests at once, greedy, ignore_eos) with a
 decode-only steps, their time, rows and achieved GFLOP/s, next to the machine's matmul
 peak measured in the same run. ``--ops`` also runs ``torch.profiler`` over a few steps of
 each kind (the first prefill steps, and decode-only steps once every prompt is in) and
-prints its per-op table for each, sorted by self CPU time.
+prints its per-op table for each, sorted by self CPU time; native kernel calls show as
+``native::*`` rows.
 """
 
 from __future__ import annotations
@@ -35,6 +36,26 @@ def build_engine(model: str, dtype: str, kernels: str, max_num_seqs: int = 64, m
     return core, time.perf_counter() - t0
 
 
+def _label_native_kernels() -> None:
+    """Make each native kernel call a row of the profiler's table (``native::gemm`` ...):
+    ctypes calls are invisible to it otherwise."""
+    import functools
+
+    import torch.profiler
+
+    from engine_svc.model.native import NativeKernels
+
+    for name in ("gemm", "rms_norm", "silu_mul", "rope", "decode_attention", "prefill_attention"):
+        fn = getattr(NativeKernels, name)
+
+        @functools.wraps(fn)
+        def labelled(*a, __fn=fn, __label=f"native::{name}", **kw):
+            with torch.profiler.record_function(__label):
+                return __fn(*a, **kw)
+
+        setattr(NativeKernels, name, labelled)
+
+
 def _op_table(prof, limit: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=limit)
 
@@ -52,6 +73,7 @@ def run(args) -> dict:
     if args.ops:
         import torch.profiler
 
+        _label_native_kernels()
         windows = {"prefill": (1, 4), "decode": None}  # decode: 3 steps from the first decode-only step
 
         def profiled_step():
