@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.model.llama import RMSNorm, RotaryEmbedding
-from engine_svc.model.native import NativeKernels, build, cpu_features
+from engine_svc.model.native import BuildError, NativeKernels, build, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE, parse_cpuinfo
 from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
 
@@ -52,9 +52,22 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, rtol: floa
 # -- builds and dispatch --------------------------------------------------------------------
 
 
-def test_every_build_compiles(build_dir):
-    for isa in ISA_BUILDS:
-        assert build(isa, build_dir).stat().st_size > 10_000
+def _compiler_takes(isa: str) -> bool:
+    probe = subprocess.run(
+        [shutil.which("cc") or "cc", *ISA_BUILDS[isa][0], "-x", "c", "-c", "/dev/null", "-o", "/dev/null"],
+        capture_output=True,
+        timeout=60,
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("isa", list(ISA_BUILDS))
+def test_every_build_compiles(build_dir, isa):
+    """AVX512 builds too, on any x86-64 machine whose compiler knows the flags: compiled,
+    never loaded where the CPU lacks them (see the dispatch tests)."""
+    if not _compiler_takes(isa):
+        pytest.skip(f"this compiler cannot target {isa}")
+    assert build(isa, build_dir).stat().st_size > 10_000
 
 
 ZEN3 = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx f16c fma avx2 bmi2\n"
@@ -91,7 +104,8 @@ def test_dtype_auto_follows_the_cpu(monkeypatch, caplog, cpuinfo, dtype):
 _LOAD = "from engine_svc.model.native import load_kernels as k; x = k(); print(x.isa if x else None)"
 
 
-def _loads(kernel_dir, cc: str | None, isa: str | None = None) -> str:
+def _loads(kernel_dir, cc: str | None, isa: str | None = None, log: list[str] | None = None) -> str:
+    """The ISA of the kernels a fresh engine process loads ("None": the PyTorch path)."""
     env = {**os.environ, "TANDEM_KERNEL_DIR": str(kernel_dir), "CC": cc or "/nonexistent/cc"}
     env.pop("TANDEM_KERNEL_ISA", None)
     if isa:
@@ -99,17 +113,86 @@ def _loads(kernel_dir, cc: str | None, isa: str | None = None) -> str:
     out = subprocess.run(
         [sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300, check=True
     )
+    if log is not None:
+        log.append(out.stderr)
     return out.stdout.strip()
 
 
 def test_prebuilt_kernels_load_without_a_compiler_and_none_falls_back(tmp_path):
     best = RUNNABLE[0]
-    assert _loads(tmp_path / "empty", cc=None) == "None"  # nothing cached, nothing to build with
+    log: list[str] = []
+    # Nothing cached, nothing to build with: the PyTorch path, and the log says why.
+    assert _loads(tmp_path / "empty", cc=None, log=log) == "None"
+    assert "no C compiler" in log[-1] and "PyTorch path" in log[-1]
+    # A cache folder that cannot be made: the same, not a crash.
+    assert _loads("/dev/null/kernels", cc=shutil.which("cc"), log=log) == "None"
+    assert "/dev/null/kernels" in log[-1] and "PyTorch path" in log[-1]
     assert _loads(tmp_path / "kernels", cc=shutil.which("cc")) == best  # builds
     assert _loads(tmp_path / "kernels", cc=None) == best  # the cached build, no compiler needed
     # A build the CPU cannot run is never chosen, whatever is asked for.
     assert _loads(tmp_path / "kernels", cc=None, isa="avx512_bf16") == best
     assert _loads(tmp_path / "kernels", cc=shutil.which("cc"), isa="avx2") == "avx2"
+
+
+@pytest.mark.parametrize(
+    "cpuinfo,wanted,isa",
+    [
+        (ZEN3, None, "avx2"),
+        (ZEN3, "avx512_bf16", "avx2"),  # asked for more than the CPU has: not given
+        (ZEN4, "avx2", "avx2"),  # less than it has: given, to compare builds
+        (ZEN4, "sse", "avx512_bf16"),  # not a build: ignored
+        (OLD, "avx2", None),  # no AVX2: no build at all
+    ],
+)
+def test_a_cpu_never_gets_a_build_it_cannot_run(monkeypatch, cpuinfo, wanted, isa):
+    from engine_svc.model import native
+
+    if wanted:
+        monkeypatch.setenv("TANDEM_KERNEL_ISA", wanted)
+    else:
+        monkeypatch.delenv("TANDEM_KERNEL_ISA", raising=False)
+    assert native._choose_isa(parse_cpuinfo(cpuinfo)) == isa
+
+
+def test_no_avx2_and_failed_builds_fall_back(monkeypatch, caplog):
+    """A CPU without AVX2 gets the PyTorch path; where the best build fails (a compiler too
+    old for AVX512-BF16), the next one the CPU runs is loaded."""
+    from engine_svc.model import native
+
+    monkeypatch.delenv("TANDEM_KERNEL_ISA", raising=False)
+    monkeypatch.setattr(native, "_kernels", native._UNSET)
+    monkeypatch.setattr(native, "cpu_features", lambda: parse_cpuinfo(OLD))
+    with caplog.at_level("WARNING", logger=native.__name__):
+        assert native.load_kernels() is None
+    assert "no AVX2" in caplog.text
+
+    def build_fails_above_avx2(isa):
+        if isa != "avx2":
+            raise native.BuildError(f"cc: unrecognized -m flag for {isa}")
+        return real_build(isa)
+
+    real_build = native.build
+    monkeypatch.setattr(native, "_kernels", native._UNSET)
+    monkeypatch.setattr(native, "cpu_features", lambda: parse_cpuinfo(ZEN4))
+    monkeypatch.setattr(native, "build", build_fails_above_avx2)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=native.__name__):
+        loaded = native.load_kernels()
+    assert loaded is not None and loaded.isa == "avx2"
+    assert "avx512_bf16 kernels unavailable" in caplog.text and "avx512 kernels unavailable" in caplog.text
+
+
+def test_a_build_others_could_write_is_not_loaded(tmp_path):
+    folder = tmp_path / "kernels"
+    lib = build("avx2", folder)
+    folder.chmod(0o777)  # anyone may swap the file
+    with pytest.raises(BuildError, match="another user"):
+        build("avx2", folder)
+    folder.chmod(0o1777)  # sticky, like /tmp: only the owner may replace it
+    assert build("avx2", folder) == lib
+    lib.chmod(0o666)
+    with pytest.raises(BuildError, match="another user"):
+        build("avx2", folder)
 
 
 # -- matmul ---------------------------------------------------------------------------------

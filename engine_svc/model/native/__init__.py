@@ -8,8 +8,9 @@ multiply, RoPE) and ``attention.c`` (decode and prefill attention reading the pa
 cache in place). ``cpu.py`` reads the CPU's flags at run time and picks a build (AVX2,
 AVX512, AVX512-BF16); ``build.py`` compiles it with the system's C compiler (``$CC``, else
 ``cc``) into a cache keyed by the sources and flags, so a build never runs on a CPU it was
-not made for, and a cached build loads without a compiler. Where no build can be made or
-loaded, ``load_kernels`` returns None, logs why once, and the engine keeps its
+not made for, and a cached build loads without a compiler. Where the best build for
+the CPU cannot be made or loaded, the next less capable one the CPU runs is tried; where
+none can, ``load_kernels`` returns None, logs why once, and the engine keeps its
 plain-PyTorch path.
 
 ``TANDEM_KERNEL_ISA=avx2`` (say) picks a less capable build than the CPU allows, to
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 
@@ -58,6 +60,24 @@ def _choose_isa(features: CpuFeatures) -> str | None:
     return best
 
 
+def _load(isa: str) -> NativeKernels | None:
+    """The build for ``isa``, else the next less capable one the CPU runs (a compiler too
+    old for AVX512-BF16 still makes an AVX2 build), else None; the reasons logged."""
+    candidates = ISA_PREFERENCE[ISA_PREFERENCE.index(isa) :]
+    if compiler() is None:
+        candidates = tuple(c for c in candidates if target(c).is_file())
+        if not candidates:
+            logger.warning("no C compiler (set CC or install cc) and no cached build; using the PyTorch path")
+            return None
+    for candidate in candidates:
+        try:
+            return NativeKernels(build(candidate), candidate)
+        except (OSError, BuildError, AttributeError, subprocess.SubprocessError) as e:
+            logger.warning("native %s kernels unavailable (%s)", candidate, e)
+    logger.warning("no native kernels could be built or loaded; using the PyTorch path")
+    return None
+
+
 def load_kernels() -> NativeKernels | None:
     """The compiled kernels for this CPU, or None (reason logged) if they cannot be had."""
     global _kernels
@@ -71,12 +91,7 @@ def load_kernels() -> NativeKernels | None:
             logger.warning("native kernels are built on Linux only; using the PyTorch path")
         elif isa is None:
             logger.warning("this CPU has no AVX2; native kernels are off, using the PyTorch path")
-        elif not target(isa).is_file() and compiler() is None:
-            logger.warning("no C compiler (set CC or install cc) and no cached build; using the PyTorch path")
         else:
-            try:
-                kernels = NativeKernels(build(isa), isa)
-            except (OSError, BuildError, AttributeError) as e:
-                logger.warning("native kernels unavailable (%s); using the PyTorch path", e)
+            kernels = _load(isa)
         _kernels = kernels
         return kernels

@@ -7,6 +7,11 @@ loaded without a compiler (an image can ship one prebuilt: docker/engine.Dockerf
 The sources compile in parallel, one compiler process each, then link: about a second
 on two cores. Any ISA's build compiles on any x86-64 machine (the tests build them all);
 which one is loaded is ``cpu.py``'s decision.
+
+A shared object is code the engine runs: a cached one is loaded only if neither it nor
+its folder can have been written by another user (owned by this user or root, not
+group/other-writable; a sticky folder such as /tmp is fine), else BuildError. The
+default folder is per user (``~/.cache/tandem/kernels``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -55,15 +61,28 @@ def target(isa: str, folder: Path | None = None) -> Path:
     return (folder or kernel_dir()) / f"tandem_kernels-{isa}-{h.hexdigest()[:16]}.so"
 
 
+def _check_trusted(path: Path) -> None:
+    """Refuse a shared object that another user could have written or swapped."""
+    for p, is_dir in ((path.parent, True), (path, False)):
+        st = p.stat()
+        others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if st.st_uid not in (os.getuid(), 0) or (others_write and not (is_dir and st.st_mode & stat.S_ISVTX)):
+            raise BuildError(
+                f"{p} is owned or writable by another user; not loading kernels from it "
+                "(fix its owner and mode, or point TANDEM_KERNEL_DIR at a private folder)"
+            )
+
+
 def build(isa: str, folder: Path | None = None) -> Path:
     """The cached build for ``isa``, compiled now if it is missing. Raises BuildError."""
     out = target(isa, folder)
     if out.is_file():
+        _check_trusted(out)
         return out
     cc = compiler()
     if cc is None:
         raise BuildError("no C compiler (set CC or install cc)")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     # Build in a private folder, then rename: engines starting together never load a
     # half-written file.
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
@@ -93,5 +112,7 @@ def build(isa: str, folder: Path | None = None) -> Path:
         )
         if result.returncode != 0:
             raise BuildError(f"{cc} failed to link: {result.stderr.strip()[-2000:]}")
+        lib.chmod(0o755)  # whatever the umask: only its owner may write it
         os.replace(lib, out)
+    _check_trusted(out)
     return out
