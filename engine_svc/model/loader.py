@@ -54,7 +54,7 @@ def auto_dtype(device: torch.device | str) -> tuple[torch.dtype, str]:
     On a CPU with bfloat16 dot products in hardware (AVX512-BF16, AMX) bfloat16 matmuls run
     at about twice the float32 rate; without them (AVX2-only) a bfloat16 product is
     computed in float32 anyway, so float32 avoids the conversions and the bfloat16
-    roundings. On CUDA, float32, the engine's default before ``auto`` existed.
+    roundings. On CUDA, float32: lower precisions there stay an explicit choice.
     """
     if torch.device(device).type != "cpu":
         return torch.float32, "the default off CPU"

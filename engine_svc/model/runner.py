@@ -39,6 +39,12 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGITS_CHUNK = 512
 
 
+def uses_native_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """The native CPU kernels are for ``--kernels auto`` on CPU in float32 or bfloat16 only:
+    ``torch`` is the plain-PyTorch reference, and a GPU never loads them."""
+    return kernels == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -56,13 +62,14 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        native = kernels == "auto" and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-        # The kernels compile (first use only) while the weights load.
-        build = threading.Thread(target=load_kernels, name="kernel-build", daemon=True)
+        native = uses_native_kernels(kernels, self.device, self.dtype)
+        build = None
         if native:
+            # The kernels compile (first use only) while the weights load.
+            build = threading.Thread(target=load_kernels, name="kernel-build", daemon=True)
             build.start()
         self.model, self.model_args = load_model(model_dir, self.device, self.dtype)
-        if native:
+        if build is not None:
             build.join()
         self.kernels: NativeKernels | None = load_kernels() if native else None
         # Where the linear layers run: "native" (gemm.c), "onednn" (packed) or "torch" (F.linear).

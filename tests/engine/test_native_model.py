@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from engine_svc.model.runner import ModelRunner
+from engine_svc.model.runner import ModelRunner, uses_native_kernels
 from engine_svc.outputs import ScheduledRequest
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams
@@ -82,3 +82,11 @@ def test_prefill_mixed_and_decode_steps_match_the_torch_path(model_dir, dtype):
     step((a, 1), (b, 10), (c, 26))  # mixed: a decode, a continued prompt, a new prompt
     step((a, 1), (b, 1), (c, 1))  # decodes only
     step((a, 1), (c, 1))
+
+
+def test_only_auto_on_cpu_uses_the_native_kernels():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert uses_native_kernels("auto", cpu, torch.float32) and uses_native_kernels("auto", cpu, torch.bfloat16)
+    assert not uses_native_kernels("torch", cpu, torch.float32)  # the reference path stays plain PyTorch
+    assert not any(uses_native_kernels("auto", cuda, dtype) for dtype in (torch.float32, torch.bfloat16))
+    assert not uses_native_kernels("auto", cpu, torch.float16)
