@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument("--host", default="127.0.0.1", help="address both services listen on")
         sp.add_argument("--device", default=os.environ.get("TANDEM_DEVICE", "cpu"), help="cpu or cuda")
-        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
         sp.add_argument(
             "--engine-arg",
             action="append",

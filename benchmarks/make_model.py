@@ -1,6 +1,6 @@
 """Write the benchmark model: a random-weight Llama with SmolLM-135M shapes, vocab 8192.
 
-    python -m benchmarks.make_model DIR [--vocab-size N]
+    python -m benchmarks.make_model DIR [--vocab-size N] [--dtype float32|bfloat16]
 
 Shapes: hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied embeddings.
 A byte-level BPE tokenizer of exactly ``N`` ids (``<unk>``, ``<s>``, ``</s>`` first) is
@@ -16,7 +16,9 @@ import argparse
 from pathlib import Path
 
 
-def make_benchmark_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 8192) -> Path:
+def make_benchmark_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 8192, dtype: str = "float32") -> Path:
+    """The model in ``out_dir`` (kept if it exists); ``dtype`` of the saved weights (the same
+    random weights either way, rounded for bfloat16)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -39,7 +41,7 @@ def make_benchmark_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int 
         eos_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out)
     write_tokenizer(out, config.vocab_size)
@@ -91,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir")
     p.add_argument("--vocab-size", type=int, default=8192, help="e.g. 32768 for a large-vocabulary run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the saved weights")
     args = p.parse_args(argv)
-    print(f"benchmark model in {make_benchmark_model(args.dir, vocab_size=args.vocab_size)}")
+    print(f"benchmark model in {make_benchmark_model(args.dir, vocab_size=args.vocab_size, dtype=args.dtype)}")
     return 0
 
 

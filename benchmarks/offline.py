@@ -120,7 +120,9 @@ def run_hf(args, workload: list[dict], batch_size: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    from engine_svc.model.loader import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, args.device)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     subset = workload[: args.baseline_max_requests] if args.baseline_max_requests else workload
     t0 = time.perf_counter()
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--workload", required=True)
     p.add_argument("--json", default=None, help="write the figures here")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--baseline", default="hf", choices=["hf", "none"])
     p.add_argument("--baseline-batch-sizes", default="1,8,16")

@@ -8,7 +8,7 @@ folds them into a smaller one (the demo model has 2048 ids), ``fit_context`` tri
 requests that would not fit a model's context, and ``salted`` makes repeated runs of one
 workload miss the prefix cache the earlier runs filled.
 
-The files hold ``standard``, ``shared_prefix`` and ``chat``; ``synthetic`` draws a
+The files hold ``standard``, ``shared_prefix``, ``chat`` and ``prefill_heavy``; ``synthetic`` draws a
 workload of any size and shape on the fly (``benchmarks.serve --synthetic``), and
 ``multi_prefix`` one of many requests behind a few system prompts
 (``benchmarks.serve --multi-prefix``, for prefix-aware routing).
@@ -49,6 +49,25 @@ def shared_prefix(
         }
         for _ in range(num_requests)
     ]
+
+
+def prefill_heavy(
+    seed: int = 3, *, num_requests: int = 48, vocab_size: int = 8192, prefix_len: int = 384
+) -> list[dict]:
+    """Long prompts, short outputs: prompts uniform in [32, 900] ids, every third one behind
+    one common ``prefix_len``-token prefix (its own ids make up the rest, at least 32),
+    outputs uniform in [32, 128]. Most of the work is prefill, part of it served from the
+    prefix cache."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    requests = []
+    for i in range(num_requests):
+        if i % 3 == 0:
+            ids = prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(32, 900 - prefix_len))]
+        else:
+            ids = [rng.randrange(vocab_size) for _ in range(rng.randint(32, 900))]
+        requests.append({"prompt_token_ids": ids, "max_tokens": rng.randint(32, 128)})
+    return requests
 
 
 def chat(seed: int = 2, *, num_requests: int = 64, vocab_size: int = 8192) -> list[dict]:
@@ -149,7 +168,7 @@ def salted(requests: list[dict], salt: int, vocab_size: int) -> list[dict]:
     ]
 
 
-WORKLOADS = {"standard": standard, "shared_prefix": shared_prefix, "chat": chat}
+WORKLOADS = {"standard": standard, "shared_prefix": shared_prefix, "chat": chat, "prefill_heavy": prefill_heavy}
 
 
 def load(path: str | Path) -> list[dict]:

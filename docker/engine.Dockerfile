@@ -55,14 +55,15 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "${TORCH_REQUIRE
 RUN --mount=type=bind,from=wheel,source=/dist,target=/dist \
     pip install --no-cache-dir /dist/*.whl \
     && tandem-engine --help >/dev/null
-# Prebuild the native decode-attention kernel (engine_svc/model/native), so the final image needs
-# no compiler; an engine on a CPU this build does not fit falls back to plain PyTorch.
+# Prebuild the native kernels (engine_svc/model/native) for every CPU kind they dispatch on
+# (AVX2, AVX512, AVX512-BF16), so the final image needs no compiler: an engine loads the build
+# its CPU runs; on a CPU without AVX2 it keeps the plain-PyTorch path.
 RUN set -eux; \
     apt-get update; \
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev; \
     rm -rf /var/lib/apt/lists/*; \
     TANDEM_KERNEL_DIR=/opt/tandem/kernels python3 -c \
-        "from engine_svc.model.native import load_decode_attention as k; assert k() is not None"
+        "from engine_svc.model.native import build; from engine_svc.model.native.cpu import ISA_BUILDS; [build(i) for i in ISA_BUILDS]"
 
 # --- final: the venv on the runtime base; no compilers, no sources, no wheel files. ---
 FROM runtime-base

@@ -15,7 +15,7 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--dtype",
         default=d.dtype,
-        choices=["float32", "bfloat16", "float16"],
-        help="weights and KV cache type (float16 only on CUDA)",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV cache type: auto picks the fastest the device computes well and logs why "
+        "(on CPU: bfloat16 with AVX512-BF16 or AMX, else float32; on CUDA: float32); float16 only on CUDA",
     )
     m.add_argument(
         "--max-model-len",
@@ -87,13 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="context length cap, prompt plus output (default: the model's max_position_embeddings; "
         "a larger value is lowered to it, with a warning)",
     )
-    m.add_argument("--num-threads", type=int_in(1), default=None, help="torch CPU threads (default: torch's choice)")
+    m.add_argument(
+        "--num-threads",
+        type=int_in(1),
+        default=None,
+        help="torch CPU threads (default: torch's choice); with the native kernels, the most a step uses",
+    )
     m.add_argument(
         "--kernels",
         default=d.kernels,
         choices=["auto", "torch"],
-        help="auto: on CPU, matmuls use weights pre-packed for oneDNN and, in float32, decode "
-        "attention runs a native kernel compiled on first use (needs a C compiler); "
+        help="auto: on CPU, native kernels compiled on first use for this CPU's ISA (needs a C "
+        "compiler once; AVX2 or better) run the matmuls, norms, RoPE and attention, and each step's "
+        "thread count is picked by timing; without them, weights packed for oneDNN; "
         "torch: plain torch ops everywhere (the reference path)",
     )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")

@@ -102,7 +102,7 @@ class EngineCore:
             "(%.1f MiB), max_model_len %d, loaded in %.2f s",
             self.model_name,
             config.device,
-            config.dtype,
+            str(self.runner.dtype).removeprefix("torch."),
             self.runner.num_kv_blocks,
             config.block_size,
             self.runner.num_kv_blocks * config.block_size,

@@ -31,11 +31,14 @@ its request plus the rows of its own chunk up to itself (causal with an offset).
   A decode row has one query per head, so the query heads that share a KV head are laid
   along the query-length axis: q ``[n, kv_heads, group, head_dim]`` meets K/V
   ``[n, kv_heads, ctx, head_dim]`` with no KV expansion.
-* On CPU in float32, when the native kernel (engine_svc/native) is built, decodes skip
-  the gather: one call per layer reads every decode row's blocks in place
-  (``decode_kernel``), with the step's block table as int32 ``[num_decodes, max_blocks]``.
 * Each prefill chunk has its own SDPA call: ``is_causal`` on its fresh K/V when it starts
   at position 0 (nothing to gather), else a gather plus an offset causal mask.
+* On CPU, when the native kernels (engine_svc/model/native) are loaded, nothing is
+  gathered and no mask is built: one call per layer reads every decode row's blocks in
+  place, and (``native_prefill``) one more call runs every prefill chunk, flash-attention
+  style, over the paged cache, which holds the chunk's own K/V by then. They take the
+  step's block table as int32 ``[rows, max_blocks]`` and per-chunk rows, starts and
+  lengths as int32.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine_svc.model.native import DecodeAttentionKernel
+from engine_svc.model.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +95,16 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     workspace: KVCache | None = None  # K and V gather buffers [tokens, kv_heads, head_dim], reused by every layer
     num_decodes: int = 0
-    decode_kernel: DecodeAttentionKernel | None = None  # set: decodes go through it instead of decode_groups
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int32, for decode_kernel
+    # Native kernels (set: decodes go through them instead of decode_groups; with
+    # native_prefill, prefill chunks too instead of prefills).
+    kernels: NativeKernels | None = None
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] int32
     max_decode_ctx_len: int = 0
+    prefill_block_table: torch.Tensor | None = None  # [num_chunks, max_blocks] int32
+    prefill_rows: torch.Tensor | None = None  # [num_chunks] int32: first row of each chunk
+    prefill_starts: torch.Tensor | None = None  # [num_chunks] int32: position of that row
+    prefill_lens: torch.Tensor | None = None  # [num_chunks] int32
 
     @classmethod
     def build(
@@ -110,7 +119,8 @@ class AttentionMetadata:
         positions: torch.Tensor | None = None,
         workspace: KVCache | None = None,
         decode_group_size: int | None = None,
-        decode_kernel: DecodeAttentionKernel | None = None,
+        kernels: NativeKernels | None = None,
+        native_prefill: bool = False,
     ) -> AttentionMetadata:
         """Index tensors for one step.
 
@@ -119,8 +129,9 @@ class AttentionMetadata:
         tokens. Requests with ``query_len == 1`` must come first. Masks are additive in
         ``dtype`` (the model's), which SDPA takes as is. ``positions`` is
         ``flat_positions(query_lens, starts)`` (CPU) when the caller has it already. The
-        ``workspace`` size caps how many decode rows share one gather. With
-        ``decode_kernel``, decode rows are left to it (no groups are built).
+        ``workspace`` size caps how many decode rows share one gather. With ``kernels``,
+        decode rows are left to them (no groups are built), and with ``native_prefill``
+        prefill chunks too (no chunks, masks or gathers).
         """
         decode_group_size = decode_group_size or DECODE_GROUP_SIZE
         num_reqs = len(query_lens)
@@ -151,12 +162,22 @@ class AttentionMetadata:
             workspace=workspace,
             num_decodes=num_decodes,
         )
-        if decode_kernel is not None and num_decodes:
-            meta.decode_kernel = decode_kernel
-            meta.decode_block_table = table[:num_decodes].to(torch.int32)
-            meta.decode_ctx_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32)
-            meta.max_decode_ctx_len = max(seq_lens[:num_decodes])
-        grouped = 0 if meta.decode_kernel is not None else num_decodes  # decode rows left to SDPA groups
+        if kernels is not None:
+            meta.kernels = kernels
+            if num_decodes:
+                meta.decode_block_table = table[:num_decodes].to(torch.int32)
+                meta.decode_ctx_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32)
+                meta.max_decode_ctx_len = max(seq_lens[:num_decodes])
+            if native_prefill and num_decodes < num_reqs:
+                chunk_lens = query_lens[num_decodes:]
+                meta.prefill_block_table = table[num_decodes:].to(torch.int32)
+                meta.prefill_lens = torch.tensor(chunk_lens, dtype=torch.int32)
+                meta.prefill_starts = torch.tensor(starts[num_decodes:], dtype=torch.int32)
+                meta.prefill_rows = (
+                    torch.cumsum(meta.prefill_lens, 0, dtype=torch.int32) - meta.prefill_lens + num_decodes
+                )
+                return meta
+        grouped = 0 if meta.kernels is not None else num_decodes  # decode rows left to SDPA groups
         # Decode rows per group: at most decode_group_size, and the padded gather must fit
         # the workspace (a single row that does not fit gathers into fresh memory).
         capacity = workspace[0].shape[0] if workspace is not None else max_blocks * block_size * decode_group_size
@@ -255,13 +276,23 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
 
-    if meta.decode_kernel is not None:
-        assert meta.decode_block_table is not None and meta.decode_ctx_lens is not None
+    if meta.kernels is not None:
+        # The kernels read q's heads in place: [num_tokens, heads * hd] with q's row stride.
+        q_rows = q.as_strided((q.shape[0], num_heads * head_dim), (q.stride(0), 1))
         n = meta.num_decodes
-        meta.decode_kernel(
-            out[:n], q[:n].contiguous(), kv_cache[0], kv_cache[1],
-            meta.decode_block_table, meta.decode_ctx_lens, meta.max_decode_ctx_len, scale,
-        )  # fmt: skip
+        if n:
+            assert meta.decode_block_table is not None and meta.decode_ctx_lens is not None
+            meta.kernels.decode_attention(
+                out[:n], q_rows[:n], kv_cache[0], kv_cache[1],
+                meta.decode_block_table, meta.decode_ctx_lens, meta.max_decode_ctx_len, scale,
+            )  # fmt: skip
+        if meta.prefill_lens is not None:
+            assert meta.prefill_block_table is not None and meta.prefill_rows is not None
+            assert meta.prefill_starts is not None
+            meta.kernels.prefill_attention(
+                out, q_rows, kv_cache[0], kv_cache[1],
+                meta.prefill_block_table, meta.prefill_rows, meta.prefill_starts, meta.prefill_lens, scale,
+            )  # fmt: skip
 
     for g in meta.decode_groups:
         n, ctx = g.num_rows, g.num_blocks * meta.block_size

@@ -159,16 +159,58 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class StepRope:
+    """RoPE for one step's positions, shared by every layer: cos, sin computed once."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin  # [num_tokens, 1, head_dim // 2] in the model dtype
+
+    def split(self, qkv: torch.Tensor, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [num_tokens, (nh + 2 * nkv) * hd] -> rotated q [num_tokens, nh, hd], rotated k and
+        v [num_tokens, nkv, hd]."""
+        num_tokens = qkv.shape[0]
+        qk, v = qkv.split(((nh + nkv) * hd, nkv * hd), dim=-1)
+        # q and k rotate together: one RoPE pass over nh + nkv heads.
+        qk = apply_rope(qk.view(num_tokens, nh + nkv, hd), self.cos, self.sin)  # [num_tokens, nh + nkv, hd]
+        q, k = qk.split((nh, nkv), dim=1)
+        return q, k, v.view(num_tokens, nkv, hd)
+
+
+class RotaryEmbedding(nn.Module):
+    """Makes each step's ``StepRope`` from its positions."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        # [head_dim // 2] fp32, filled by the loader with rope_inv_freq(args) on the real device.
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[len(positions), head_dim // 2]`` in ``dtype``, computed in fp32 like transformers."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        cos, sin = self.cos_sin(positions, dtype)
+        return StepRope(cos.unsqueeze(1), sin.unsqueeze(1))
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm of the residual stream: ``forward(x, residual)`` first adds the sublayer's
+    output ``x`` to the stream (when there is one) and returns (normed, new stream)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
         # Normalise in float32 and scale in the model dtype, as transformers does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * normed.to(x.dtype), x
 
 
 class Attention(nn.Module):
@@ -182,19 +224,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, qkv_out, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: StepRope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, (nh + 2 * nkv) * hd]
-        qk, v = qkv.split(((nh + nkv) * hd, nkv * hd), dim=-1)
-        # q and k rotate together: one RoPE pass over nh + nkv heads.
-        qk = apply_rope(qk.view(num_tokens, nh + nkv, hd), cos, sin)  # [num_tokens, nh + nkv, hd]
-        q, k = qk.split((nh, nkv), dim=1)
-        v = v.view(num_tokens, nkv, hd)
+        q, k, v = rope.split(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [num_tokens, nh, hd]
-        return self.o_proj(out.view(num_tokens, nh * hd))
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -202,10 +237,15 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        # True once gate_up_proj is a layer that applies SiLU-and-multiply itself (native kernels).
+        self.act_fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        h = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate], or [num_tokens, intermediate] when act_fused
+        if not self.act_fused:
+            gate, up = h.chunk(2, dim=-1)  # [num_tokens, intermediate] each
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -217,10 +257,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: StepRope,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output; residual: the stream it adds to (None before the
+        first layer, where x is the embedding). Returns (this layer's MLP output, stream)."""
+        h, residual = self.input_norm(x, residual)
+        h, residual = self.post_attn_norm(self.attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -229,8 +277,6 @@ class Transformer(nn.Module):
 
     Built without initial values (the loader builds it on the meta device, then assigns
     the checkpoint's tensors)."""
-
-    inv_freq: torch.Tensor
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -244,26 +290,21 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # [head_dim // 2] fp32, filled by the loader with rope_inv_freq(args) on the real device.
-        self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
+        self.rotary: nn.Module = RotaryEmbedding(args.head_dim)  # makes each step's StepRope
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[num_tokens, 1, head_dim // 2]``, computed once per step for all layers."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # fp32, like transformers
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rope(positions, x.dtype)
+        rope = self.rotary(positions, x.dtype)  # once per step, for every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> logits [num_rows, vocab] in the model dtype."""

@@ -13,6 +13,8 @@ The runner never imports the scheduler.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,9 +23,11 @@ import torch
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.kv_memory import default_num_kv_blocks, zeroed
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
-from engine_svc.model.native import load_decode_attention
+from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
+from engine_svc.model.native_layers import install_native_layers
 from engine_svc.model.packed_linear import pack_linears, packing_supported
 from engine_svc.model.sampler import Sampler
+from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import RequestView, SamplingParams
 
@@ -32,6 +36,12 @@ logger = logging.getLogger(__name__)
 # Prompt rows per LM-head call when prompt logprobs are asked for; bounds the logits
 # tensor to PROMPT_LOGITS_CHUNK x vocab float32.
 PROMPT_LOGITS_CHUNK = 512
+
+
+def uses_native_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """The native CPU kernels are for ``--kernels auto`` on CPU in float32 or bfloat16 only:
+    ``torch`` is the plain-PyTorch reference, and a GPU never loads them."""
+    return kernels == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 class ModelRunner:
@@ -52,17 +62,57 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        native = uses_native_kernels(kernels, self.device, self.dtype)
+        build = None
+        if native:
+            # The kernels compile (first use only) while the weights load.
+            build = threading.Thread(target=load_kernels, name="kernel-build", daemon=True)
+            build.start()
         self.model, self.model_args = load_model(model_dir, self.device, self.dtype)
-        self.num_packed_linears = 0
-        if kernels == "auto" and packing_supported(self.device, self.dtype):
-            self.num_packed_linears = pack_linears(self.model, batch_size_hint)
-            logger.info("matmuls: %d linear layers packed for oneDNN", self.num_packed_linears)
-        self.decode_kernel = None
-        if kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.float32:
-            self.decode_kernel = load_decode_attention()
-            if self.decode_kernel is not None:
-                logger.info("decode attention: native kernel reading the paged KV cache in place")
+        if build is not None:
+            build.join()
+        self.kernels: NativeKernels | None = load_kernels() if native else None
+        # Where the linear layers run: "native" (gemm.c), "onednn" (packed) or "torch" (F.linear).
+        self.matmuls = "torch"
+        self.native_prefill = False
+        if self.kernels is not None:
+            # Hardware bfloat16 dot products (AVX512-BF16, AMX) are oneDNN's; everywhere
+            # else the native GEMM, which computes bfloat16 weights in float32.
+            if (
+                self.dtype == torch.bfloat16
+                and cpu_features().native_bf16
+                and packing_supported(self.device, self.dtype)
+            ):
+                self.matmuls = "onednn"
+            else:
+                self.matmuls = "native"
+            if install_native_layers(self.model, self.kernels, self.dtype, self.matmuls) == 0:
+                self.matmuls = "torch"
+            self.native_prefill = self.kernels.supports_prefill_attention(self.model_args.head_dim)
+        elif kernels == "auto" and packing_supported(self.device, self.dtype):
+            if pack_linears(self.model, batch_size_hint):
+                self.matmuls = "onednn"
+        if self.device.type == "cpu":
+            logger.info(
+                "kernels: %s; matmuls: %s; attention: %s",
+                f"native {self.kernels.isa} build" if self.kernels else "plain PyTorch",
+                self.matmuls,
+                "native (decode and prefill)"
+                if self.native_prefill
+                else "native decode"
+                if self.kernels
+                else "PyTorch",
+            )
         args = self.model_args
+        # Thread count per step, by measurement (threads.py); only where tokens do not
+        # depend on it: the native kernels never split a sum across threads.
+        self.threads = ThreadGovernor(torch.get_num_threads()) if self.matmuls == "native" else None
+        # Arithmetic per token of the linear layers, and per (query, key) pair of attention,
+        # the governor's unit of work.
+        qkv = args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        mlp = 3 * args.hidden_size * args.intermediate_size
+        self._linear_work = 2 * args.num_layers * (qkv + args.num_heads * args.head_dim * args.hidden_size + mlp)
+        self._attention_work = 4 * args.num_layers * args.num_heads * args.head_dim
         self.vocab_size = args.vocab_size
         self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         if max_model_len is not None and max_model_len > args.max_position_embeddings:
@@ -121,13 +171,10 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[KVCache]:
         args = self.model_args
+        shape = (args.num_layers, 2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim)
         # Zeroed, not empty: masked padding reads these slots, and softmax weight 0 times
         # a garbage NaN would still be NaN.
-        cache = zeroed(
-            (args.num_layers, 2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim),
-            self.dtype,
-            self.device,
-        )
+        cache = zeroed(shape, self.dtype, self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(args.num_layers)]
 
     # -- the step ---------------------------------------------------------------------
@@ -144,6 +191,9 @@ class ModelRunner:
         chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
         batch = decodes + chunks
 
+        t0 = time.perf_counter()
+        if self.threads is not None:
+            self.threads.before_step(scheduler_output.num_tokens)
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = _logits_rows(batch)
         with torch.inference_mode():
@@ -163,7 +213,18 @@ class ModelRunner:
                     logits = self._logits(hidden, job.rows[i : i + PROMPT_LOGITS_CHUNK])
                     targets = job.target_token_ids[i : i + PROMPT_LOGITS_CHUNK]
                     entries += self.sampler.prompt_logprobs(logits, targets, job.num_top)
+        if self.threads is not None:
+            self.threads.after_step(time.perf_counter() - t0, self._step_work(batch))
         return output
+
+    def _step_work(self, batch: list[ScheduledRequest]) -> float:
+        """The step's modelled arithmetic: linear layers per token, attention per (query, key) pair."""
+        tokens = pairs = 0
+        for s in batch:
+            n = s.num_new_tokens
+            tokens += n
+            pairs += n * (2 * s.start + n + 1) // 2
+        return float(tokens * self._linear_work + pairs * self._attention_work)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """LM head over the given rows of ``hidden`` only: [len(rows), vocab] float32."""
@@ -186,7 +247,8 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             workspace=self.workspace,
-            decode_kernel=self.decode_kernel,
+            kernels=self.kernels,
+            native_prefill=self.native_prefill,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, positions.to(self.device, non_blocking=True), meta

@@ -64,7 +64,7 @@ def model_info(core, config: EngineConfig) -> engine_pb2.GetModelInfoResponse:
         max_model_len=core.max_model_len,
         vocab_size=core.vocab_size,
         eos_token_ids=list(core.eos_token_ids),
-        dtype=config.dtype,
+        dtype=str(runner.dtype).removeprefix("torch."),  # what --dtype auto resolved to
         block_size=config.block_size,
         num_kv_blocks=runner.num_kv_blocks,
         kv_capacity_tokens=runner.num_kv_blocks * config.block_size,

@@ -64,6 +64,7 @@ def _assert_same_or_near_tie(hf, prompt: list[int], ours: list[int], theirs: lis
 def _engine(path, **overrides) -> EngineCore:
     config = EngineConfig(
         model=str(path),
+        dtype="float32",
         num_kv_blocks=overrides.pop("num_kv_blocks", 512),
         block_size=16,
         max_num_seqs=overrides.pop("max_num_seqs", 64),
@@ -81,13 +82,14 @@ REGIMES = {
 
 
 def _assert_kernels(core: EngineCore, kernels: str) -> None:
-    """The path under test is the one that ran: packed matmuls and the native decode
-    kernel with ``auto`` (a C compiler is part of the test set-up), neither with ``torch``."""
+    """The path under test is the one that ran: with ``auto`` the native kernels (a C
+    compiler is part of the test set-up) for matmuls, norms, RoPE and both attentions;
+    with ``torch`` none of them."""
     runner = core.runner
     if kernels == "torch":
-        assert runner.num_packed_linears == 0 and runner.decode_kernel is None
+        assert runner.matmuls == "torch" and runner.kernels is None
     else:
-        assert runner.num_packed_linears > 0 and runner.decode_kernel is not None
+        assert runner.kernels is not None and runner.matmuls != "torch" and runner.native_prefill
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])

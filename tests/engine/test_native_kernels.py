@@ -1,5 +1,10 @@
-"""The CPU fast paths against plain PyTorch: the native decode-attention kernel and the
-oneDNN-packed linear layers."""
+"""The native CPU kernels against plain PyTorch, on every build this CPU can run.
+
+Each kernel is compared with the op it replaces (the plain-PyTorch path of the model):
+float32 to float32 rounding, bfloat16 to one bfloat16 rounding step. Every ISA build must
+compile on any x86-64 machine (AVX512 ones too); only those the CPU can run are loaded.
+The dispatcher's choices are tested on /proc/cpuinfo samples of the CPU kinds it meets.
+"""
 
 from __future__ import annotations
 
@@ -13,65 +18,219 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.native import load_decode_attention
+from engine_svc.model.llama import RMSNorm, RotaryEmbedding
+from engine_svc.model.native import BuildError, NativeKernels, build, cpu_features
+from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE, parse_cpuinfo
 from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
+RUNNABLE = [isa for isa in ISA_PREFERENCE if ISA_BUILDS[isa][1] <= cpu_features().flags]
+DTYPES = [torch.float32, torch.bfloat16]
+
 
 @pytest.fixture(scope="module")
-def kernel():
-    k = load_decode_attention()
-    assert k is not None, "the decode kernel did not build (see the log)"
-    return k
+def build_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernel-builds")
 
 
-def _reference(q, k_cache, v_cache, table, lens, scale):
-    """Per row: gather its context, repeat KV heads, one SDPA."""
-    num_heads, group = q.shape[1], q.shape[1] // k_cache.shape[2]
-    out = torch.empty_like(q)
-    for i, n in enumerate(lens.tolist()):
-        k = k_cache[table[i].long()].flatten(0, 1)[:n].transpose(0, 1).repeat_interleave(group, 0)  # [heads, n, hd]
-        v = v_cache[table[i].long()].flatten(0, 1)[:n].transpose(0, 1).repeat_interleave(group, 0)
-        out[i] = F.scaled_dot_product_attention(q[i].view(num_heads, 1, -1), k, v, scale=scale)[:, 0]
-    return out
+@pytest.fixture(scope="module", params=RUNNABLE)
+def kernels(request, build_dir) -> NativeKernels:
+    return NativeKernels(build(request.param, build_dir), request.param)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, rtol: float = 1e-5) -> None:
+    """float32: to float32 rounding (relative to the tensor's scale); bfloat16: one rounding step."""
+    got, want = got.float(), want.float()
+    scale = max(1.0, want.abs().max().item())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=rtol * scale, rtol=rtol)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-2 * scale, rtol=1e-2)
+
+
+# -- builds and dispatch --------------------------------------------------------------------
+
+
+def _compiler_takes(isa: str) -> bool:
+    probe = subprocess.run(
+        [shutil.which("cc") or "cc", *ISA_BUILDS[isa][0], "-x", "c", "-c", "/dev/null", "-o", "/dev/null"],
+        capture_output=True,
+        timeout=60,
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("isa", list(ISA_BUILDS))
+def test_every_build_compiles(build_dir, isa):
+    """AVX512 builds too, on any x86-64 machine whose compiler knows the flags: compiled,
+    never loaded where the CPU lacks them (see the dispatch tests)."""
+    if not _compiler_takes(isa):
+        pytest.skip(f"this compiler cannot target {isa}")
+    assert build(isa, build_dir).stat().st_size > 10_000
+
+
+ZEN3 = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx f16c fma avx2 bmi2\n"
+ZEN4 = "model name\t: AMD EPYC 9B14\nflags\t\t: avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16\n"
+SPR = (
+    "model name\t: Intel Xeon 8481C\n"
+    "flags\t\t: f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile\n"
+)
+OLD = "model name\t: Old x86\nflags\t\t: sse2 avx\n"
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 12, 8), (6, 2, 32, 1)],
+    "cpuinfo,isa,native_bf16",
+    [(ZEN3, "avx2", False), (ZEN4, "avx512_bf16", True), (SPR, "avx512_bf16", True), (OLD, None, False)],
 )
-def test_decode_kernel_matches_sdpa(kernel, num_heads, num_kv_heads, head_dim, block_size):
-    g = torch.Generator().manual_seed(num_heads * head_dim)
-    num_blocks, rows = 64, 7
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    # Contexts from 1 token to several blocks, not multiples of the block size; blocks
-    # in random order, shared between rows (as prefix caching does).
-    lens = torch.tensor([1, 2, block_size, block_size + 1, 3 * block_size - 1, 5, 4 * block_size], dtype=torch.int32)
-    max_blocks = -(-int(lens.max()) // block_size) + 1  # one spare column: the kernel must not read it
-    table = torch.randint(0, num_blocks, (rows, max_blocks), generator=g, dtype=torch.int32)
-    q = torch.randn(rows, num_heads, head_dim, generator=g) * 3  # peaked softmax
-    out = torch.full_like(q, float("nan"))
-    scale = head_dim**-0.5
-    kernel(out, q, k_cache, v_cache, table, lens, int(lens.max()), scale)
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, table, lens, scale), atol=2e-6, rtol=1e-5)
+def test_dispatch_follows_the_cpu_flags(cpuinfo, isa, native_bf16):
+    features = parse_cpuinfo(cpuinfo)
+    assert features.kernel_isa == isa and features.native_bf16 == native_bf16
+    assert features.model_name != "unknown"
 
 
-def test_decode_kernel_refuses_wrong_inputs(kernel):
-    q = torch.zeros(2, 4, 16)
-    cache = torch.zeros(4, 16, 2, 16)
-    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="float32"):
-        kernel(torch.zeros_like(q), q.double(), cache, cache, table, lens, 1, 0.25)
-    with pytest.raises(ValueError, match="int32"):
-        kernel(torch.zeros_like(q), q, cache, cache, table.long(), lens, 1, 0.25)
-    with pytest.raises(ValueError, match="one block-table row"):
-        kernel(torch.zeros_like(q), q, cache, cache, table[:1], lens, 1, 0.25)
+@pytest.mark.parametrize("cpuinfo,dtype", [(ZEN3, torch.float32), (ZEN4, torch.bfloat16), (SPR, torch.bfloat16)])
+def test_dtype_auto_follows_the_cpu(monkeypatch, caplog, cpuinfo, dtype):
+    from engine_svc.model import loader
+
+    monkeypatch.setattr(loader, "cpu_features", lambda: parse_cpuinfo(cpuinfo))
+    with caplog.at_level("INFO", logger=loader.__name__):
+        assert loader.resolve_dtype("auto", "cpu") == dtype
+    assert "dtype auto: " + str(dtype).removeprefix("torch.") in caplog.text  # the choice is logged, with why
+    assert loader.resolve_dtype("auto", "cuda") == torch.float32  # the GPU default is unchanged
+    assert loader.resolve_dtype("bfloat16", "cpu") == torch.bfloat16  # explicit choices stand
+
+
+_LOAD = "from engine_svc.model.native import load_kernels as k; x = k(); print(x.isa if x else None)"
+
+
+def _loads(kernel_dir, cc: str | None, isa: str | None = None, log: list[str] | None = None) -> str:
+    """The ISA of the kernels a fresh engine process loads ("None": the PyTorch path)."""
+    env = {**os.environ, "TANDEM_KERNEL_DIR": str(kernel_dir), "CC": cc or "/nonexistent/cc"}
+    env.pop("TANDEM_KERNEL_ISA", None)
+    if isa:
+        env["TANDEM_KERNEL_ISA"] = isa
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    if log is not None:
+        log.append(out.stderr)
+    return out.stdout.strip()
+
+
+def test_prebuilt_kernels_load_without_a_compiler_and_none_falls_back(tmp_path):
+    best = RUNNABLE[0]
+    log: list[str] = []
+    # Nothing cached, nothing to build with: the PyTorch path, and the log says why.
+    assert _loads(tmp_path / "empty", cc=None, log=log) == "None"
+    assert "no C compiler" in log[-1] and "PyTorch path" in log[-1]
+    # A cache folder that cannot be made: the same, not a crash.
+    assert _loads("/dev/null/kernels", cc=shutil.which("cc"), log=log) == "None"
+    assert "/dev/null/kernels" in log[-1] and "PyTorch path" in log[-1]
+    assert _loads(tmp_path / "kernels", cc=shutil.which("cc")) == best  # builds
+    assert _loads(tmp_path / "kernels", cc=None) == best  # the cached build, no compiler needed
+    # A build the CPU cannot run is never chosen, whatever is asked for.
+    assert _loads(tmp_path / "kernels", cc=None, isa="avx512_bf16") == best
+    assert _loads(tmp_path / "kernels", cc=shutil.which("cc"), isa="avx2") == "avx2"
+
+
+@pytest.mark.parametrize(
+    "cpuinfo,wanted,isa",
+    [
+        (ZEN3, None, "avx2"),
+        (ZEN3, "avx512_bf16", "avx2"),  # asked for more than the CPU has: not given
+        (ZEN4, "avx2", "avx2"),  # less than it has: given, to compare builds
+        (ZEN4, "sse", "avx512_bf16"),  # not a build: ignored
+        (OLD, "avx2", None),  # no AVX2: no build at all
+    ],
+)
+def test_a_cpu_never_gets_a_build_it_cannot_run(monkeypatch, cpuinfo, wanted, isa):
+    from engine_svc.model import native
+
+    if wanted:
+        monkeypatch.setenv("TANDEM_KERNEL_ISA", wanted)
+    else:
+        monkeypatch.delenv("TANDEM_KERNEL_ISA", raising=False)
+    assert native._choose_isa(parse_cpuinfo(cpuinfo)) == isa
+
+
+def test_no_avx2_and_failed_builds_fall_back(monkeypatch, caplog):
+    """A CPU without AVX2 gets the PyTorch path; where the best build fails (a compiler too
+    old for AVX512-BF16), the next one the CPU runs is loaded."""
+    from engine_svc.model import native
+
+    monkeypatch.delenv("TANDEM_KERNEL_ISA", raising=False)
+    monkeypatch.setattr(native, "_kernels", native._UNSET)
+    monkeypatch.setattr(native, "cpu_features", lambda: parse_cpuinfo(OLD))
+    with caplog.at_level("WARNING", logger=native.__name__):
+        assert native.load_kernels() is None
+    assert "no AVX2" in caplog.text
+
+    def build_fails_above_avx2(isa):
+        if isa != "avx2":
+            raise native.BuildError(f"cc: unrecognized -m flag for {isa}")
+        return real_build(isa)
+
+    real_build = native.build
+    monkeypatch.setattr(native, "_kernels", native._UNSET)
+    monkeypatch.setattr(native, "cpu_features", lambda: parse_cpuinfo(ZEN4))
+    monkeypatch.setattr(native, "build", build_fails_above_avx2)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=native.__name__):
+        loaded = native.load_kernels()
+    assert loaded is not None and loaded.isa == "avx2"
+    assert "avx512_bf16 kernels unavailable" in caplog.text and "avx512 kernels unavailable" in caplog.text
+
+
+def test_a_build_others_could_write_is_not_loaded(tmp_path):
+    folder = tmp_path / "kernels"
+    lib = build("avx2", folder)
+    folder.chmod(0o777)  # anyone may swap the file
+    with pytest.raises(BuildError, match="another user"):
+        build("avx2", folder)
+    folder.chmod(0o1777)  # sticky, like /tmp: only the owner may replace it
+    assert build("avx2", folder) == lib
+    lib.chmod(0o666)
+    with pytest.raises(BuildError, match="another user"):
+        build("avx2", folder)
+
+
+# -- matmul ---------------------------------------------------------------------------------
+
+GEMM_CASES = [  # rows, in, out, bias, fused silu-and-multiply
+    (1, 64, 96, False, False),
+    (5, 40, 33, True, False),  # widths that fill no whole panel or vector
+    (37, 576, 960, False, False),
+    (200, 300, 64, True, False),
+    (7, 64, 256, False, True),
+    (64, 96, 48, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n,bias,silu_mul", GEMM_CASES)
+def test_gemm_matches_linear(kernels, dtype, rows, k, n, bias, silu_mul):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    want = F.linear(x, w, b)
+    if silu_mul:
+        gate, up = want.chunk(2, dim=-1)
+        want = F.silu(gate) * up
+    got = kernels.gemm(x, kernels.pack(w, b, dtype, silu_mul=silu_mul))
+    assert got.dtype == dtype and got.shape == want.shape
+    _close(got, want, dtype)
+
+
+def test_gemm_reads_strided_rows(kernels):
+    x = torch.randn(9, 100)[:, 10:74]  # row stride 100
+    w = torch.randn(24, 64)
+    _close(kernels.gemm(x, kernels.pack(w, None, torch.float32)), F.linear(x, w), torch.float32)
 
 
 @pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
-def test_packed_linears_match_plain_linears():
+def test_onednn_packed_linears_match_plain_linears():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 96), nn.SiLU(), nn.Linear(96, 40, bias=False))
     x = torch.randn(5, 48)
@@ -83,18 +242,160 @@ def test_packed_linears_match_plain_linears():
             torch.testing.assert_close(model(x[:rows]), want[:rows], atol=1e-5, rtol=1e-5)
 
 
-_LOAD = "from engine_svc.model.native import load_decode_attention as k; print(k() is not None)"
+# -- small ops ------------------------------------------------------------------------------
 
 
-def _loads(kernel_dir, cc: str | None) -> bool:
-    env = {**os.environ, "TANDEM_KERNEL_DIR": str(kernel_dir), "CC": cc or "/nonexistent/cc"}
-    out = subprocess.run(
-        [sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=120, check=True
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 64), (3, 40), (300, 576)])
+def test_rms_norm_with_and_without_residual(kernels, dtype, rows, dim):
+    g = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=g))
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    residual = torch.randn(rows, dim, generator=g).to(dtype)
+    with torch.inference_mode():
+        want, want_sum = norm(x, residual)
+        got_sum = residual.clone()
+        got = kernels.rms_norm(x, norm.weight, norm.eps, residual=got_sum)
+        _close(got_sum, want_sum, dtype)
+        assert torch.equal(got_sum, want_sum)  # an add rounds the same everywhere
+        _close(got, want, dtype)
+        _close(kernels.rms_norm(x, norm.weight, norm.eps), norm(x)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(kernels, dtype):
+    gu = (torch.randn(7, 2 * 100) * 4).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    _close(kernels.silu_mul(gu), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16, 12])
+def test_rope_in_place_matches_the_torch_path(kernels, dtype, head_dim):
+    nh, nkv, max_position = 4, 2, 300
+    rotary = RotaryEmbedding(head_dim)
+    rotary.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    positions = torch.tensor([0, 1, 17, 299, 5, 128])
+    qkv = torch.randn(len(positions), (nh + 2 * nkv) * head_dim).to(dtype)
+    want = rotary(positions, dtype).split(qkv, nh, nkv, head_dim)
+    cos, sin = rotary.cos_sin(torch.arange(max_position), dtype)
+    got = qkv.clone()
+    kernels.rope(got, positions, torch.cat((cos, sin), -1).float().contiguous(), nh + nkv, head_dim)
+    n = len(positions)
+    q, k, v = got.split((nh * head_dim, nkv * head_dim, nkv * head_dim), dim=-1)
+    for a, b in zip((q.view(n, nh, head_dim), k.view(n, nkv, head_dim), v.view(n, nkv, head_dim)), want):
+        _close(a, b, dtype)
+    with pytest.raises(RuntimeError, match="rope"):  # a position past the table
+        kernels.rope(got, positions + max_position, torch.cat((cos, sin), -1).float().contiguous(), nh, head_dim)
+
+
+# -- attention ------------------------------------------------------------------------------
+
+
+def _context(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
+    return cache[table_row.long()].flatten(0, 1)[:n].float()  # [n, kv_heads, hd]
+
+
+def _reference_decode(q, k_cache, v_cache, table, lens, scale):
+    """Per row: gather its context, repeat KV heads, one SDPA in float32."""
+    num_heads, group = q.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.empty(q.shape)
+    for i, n in enumerate(lens.tolist()):
+        k = _context(k_cache, table[i], n).transpose(0, 1).repeat_interleave(group, 0)  # [heads, n, hd]
+        v = _context(v_cache, table[i], n).transpose(0, 1).repeat_interleave(group, 0)
+        out[i] = F.scaled_dot_product_attention(q[i].float().view(num_heads, 1, -1), k, v, scale=scale)[:, 0]
+    return out
+
+
+def _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, g):
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    return k, v
+
+
+ATTENTION_SHAPES = [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 16, 8), (6, 2, 32, 1), (4, 2, 12, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", ATTENTION_SHAPES)
+def test_decode_attention_matches_sdpa(kernels, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(num_heads * head_dim)
+    num_blocks, rows = 64, 7
+    k_cache, v_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, g)
+    # Contexts from 1 token to several blocks, not multiples of the block size; blocks in
+    # random order, shared between rows (as prefix caching does).
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 3 * block_size - 1, 5, 4 * block_size], dtype=torch.int32)
+    max_blocks = -(-int(lens.max()) // block_size) + 1  # one spare column: the kernel must not read it
+    table = torch.randint(0, num_blocks, (rows, max_blocks), generator=g, dtype=torch.int32)
+    # q as the kernel meets it: the leading heads of wider rows (the fused qkv).
+    qkv = (torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 3).to(dtype)  # peaked softmax
+    q = qkv[:, : num_heads * head_dim]
+    out = torch.full((rows, num_heads, head_dim), float("nan"), dtype=dtype)
+    scale = head_dim**-0.5
+    kernels.decode_attention(out, q, k_cache, v_cache, table, lens, int(lens.max()), scale)
+    want = _reference_decode(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, table, lens, scale)
+    _close(out, want, dtype, rtol=2e-5)
+
+
+def _reference_prefill(q, k_cache, v_cache, table, starts, lens, scale):
+    """Per chunk: its whole context gathered, an offset causal mask, one SDPA in float32."""
+    group = q.shape[1] // k_cache.shape[2]
+    out, row = [], 0
+    for c, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        k = _context(k_cache, table[c], s + n).transpose(0, 1).repeat_interleave(group, 0)  # [heads, s + n, hd]
+        v = _context(v_cache, table[c], s + n).transpose(0, 1).repeat_interleave(group, 0)
+        mask = torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None]  # [n, s + n]
+        qc = q[row : row + n].float().transpose(0, 1)  # [heads, n, hd]
+        out.append(F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scale).transpose(0, 1))
+        row += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", ATTENTION_SHAPES)
+def test_prefill_attention_matches_sdpa(kernels, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    if not kernels.supports_prefill_attention(head_dim):
+        pytest.skip(f"head_dim {head_dim} is not a whole number of vectors for this build")
+    g = torch.Generator().manual_seed(num_heads + head_dim)
+    # Chunks: a fresh prompt, a continuation after a cached prefix, one token, one that ends
+    # mid-tile and mid-block, one long enough for many tiles.
+    starts = torch.tensor([0, 37, 5, 16, 0], dtype=torch.int32)
+    lens = torch.tensor([20, 23, 1, 17, 70], dtype=torch.int32)
+    max_blocks = -(-int((starts + lens).max()) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    k_cache, v_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, g)
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = perm[: len(lens) * max_blocks].view(len(lens), max_blocks).contiguous()
+    num_decodes = 3  # rows before the chunks, as in a mixed batch: the kernel leaves them alone
+    total = num_decodes + int(lens.sum())
+    qkv = (torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 2).to(dtype)
+    q = qkv[:, : num_heads * head_dim]
+    rows = (torch.cumsum(lens, 0) - lens + num_decodes).to(torch.int32)
+    out = torch.full((total, num_heads, head_dim), 7.0, dtype=dtype)
+    scale = head_dim**-0.5
+    kernels.prefill_attention(out, q, k_cache, v_cache, table, rows, starts, lens, scale)
+    want = _reference_prefill(
+        q[num_decodes:].reshape(-1, num_heads, head_dim), k_cache, v_cache, table, starts, lens, scale
     )
-    return out.stdout.strip() == "True"
+    assert torch.all(out[:num_decodes] == 7.0)
+    _close(out[num_decodes:], want, dtype, rtol=2e-5)
 
 
-def test_prebuilt_kernel_loads_without_a_compiler_and_none_falls_back(tmp_path):
-    assert not _loads(tmp_path / "empty", cc=None)  # nothing cached, nothing to build with
-    assert _loads(tmp_path / "kernels", cc=shutil.which("cc"))  # builds
-    assert _loads(tmp_path / "kernels", cc=None)  # the cached build, no compiler needed
+def test_kernels_refuse_wrong_inputs(kernels):
+    q = torch.zeros(2, 4 * 16)
+    out = torch.zeros(2, 4, 16)
+    cache = torch.zeros(4, 16, 2, 16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.decode_attention(out.double(), q.double(), cache.double(), cache.double(), table, lens, 1, 0.25)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.decode_attention(out, q, cache, cache, table.long(), lens, 1, 0.25)
+    with pytest.raises(ValueError, match="one block-table row"):
+        kernels.decode_attention(out, q, cache, cache, table[:1], lens, 1, 0.25)
+    with pytest.raises(ValueError, match="share one dtype"):
+        kernels.decode_attention(out, q.bfloat16(), cache, cache, table, lens, 1, 0.25)
+    with pytest.raises(ValueError, match="gemm"):
+        kernels.gemm(torch.zeros(3, 5), kernels.pack(torch.zeros(4, 6), None, torch.float32))

@@ -1,0 +1,399 @@
+/*
+ * Attention straight from the paged KV cache: no K/V is gathered or copied by the caller.
+ * Layouts (row-major, as engine_svc/model/attention.py documents):
+ *
+ *   q            [num_tokens, q_row_stride]: query head h of row i at i * q_row_stride + h * head_dim
+ *                (the q part of the fused qkv projection can be passed as is)
+ *   out          [num_tokens, num_heads, head_dim]
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_table  [rows, table_stride] int32; token t lives in block table[t / block_size]
+ *                at offset t % block_size
+ *
+ * Query head h reads KV head h / group (transformers' repeat_kv layout). q, out and the
+ * caches share one dtype (float32 or bfloat16); every sum is float32, the output is
+ * rounded once.
+ *
+ * Decode (tk_decode_attention): one query token per row, a row's context is ctx_lens[row]
+ * tokens. A row walks its blocks and reads each front to back (a block holds every KV head
+ * of block_size tokens contiguously), scores for the whole context go to a per-thread
+ * buffer, then an exact softmax, then the weighted sum of V. Memory-bound: every cached
+ * key and value of the step is read once.
+ *
+ * Prefill (tk_prefill_attention): chunks of consecutive query tokens, chunk c at rows
+ * chunk_rows[c] .. + chunk_lens[c] and positions chunk_starts[c] ..; the chunk's own K/V
+ * are in the cache already, and token p attends to positions 0 .. p (causal with an
+ * offset, so chunked prefill and prefix-cache hits need nothing special). Work items are
+ * (chunk, tile of QT query tokens, KV head), heaviest first, handed out by one counter.
+ * An item keeps its group's QT * group query vectors, their output and running softmax
+ * in the core's cache, and walks the blocks up to its last position, flash-attention
+ * style: per block, K is transposed (and V widened) into a float32 buffer, then
+ * S = Q K^T and O += P V run as small register-tiled products.
+ */
+#include <stdlib.h>
+
+#include "tandem_kernels.h"
+
+#define MAX_HEADS 1024
+#define QT 16 /* query tokens per prefill item */
+#define MR 12 /* rows per register tile */
+
+/* Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
+ * while a block is read, the next one is requested, part `part` of `parts` at a time so
+ * that the requests do not pile up. */
+static inline void prefetch_part(const char *p, size_t num_bytes, int part, int parts) {
+    const size_t lines = (num_bytes + 63) / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+    for (size_t i = lo; i < hi; i++) __builtin_prefetch(p + 64 * i, 0, 3);
+}
+
+static inline float dot(const float *a, const void *b, size_t boff, int n, int dtype) {
+    vf acc = vzero();
+    int d = 0;
+    for (; d + TK_VL <= n; d += TK_VL) acc += vload(a + d) * vload_any(b, boff + d, dtype);
+    float s = vhsum(acc);
+    for (; d < n; d++) s += a[d] * load_any(b, boff + d, dtype);
+    return s;
+}
+
+/* The lane sums of 8 vectors, as one array of 8. */
+static inline void hsum8(const vf acc[8], float *out) {
+#if !defined(__AVX512F__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+    for (int i = 0; i < 8; i++) out[i] = vhsum(acc[i]);
+#endif
+}
+
+/* scores[0..8) = q . k_t for 8 tokens whose keys start at k + t * stride (head_dim a
+ * multiple of TK_VL): 8 partial-sum vectors, reduced together. */
+static inline __attribute__((always_inline)) void dots8(const float *q, const void *k, size_t koff, size_t stride, int head_dim, int dtype,
+                         float *scores) {
+    vf acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = vzero();
+    for (int d = 0; d < head_dim; d += TK_VL) {
+        const vf qv = vload(q + d);
+        for (int t = 0; t < 8; t++) acc[t] += qv * vload_any(k, koff + (size_t)t * stride + d, dtype);
+    }
+    hsum8(acc, scores);
+}
+
+/* o[0..nv vectors) += sum_t p[t] * v_t for n tokens whose values start at v + t * stride;
+ * the nv (a literal at each call) output vectors stay in registers over the tokens. */
+static inline __attribute__((always_inline)) void weighted_sum_nv(const int nv, float *o, const float *p,
+                                                                  const void *v, size_t voff, size_t stride, int n,
+                                                                  int dtype) {
+    vf acc[8];
+    for (int j = 0; j < nv; j++) acc[j] = vload(o + j * TK_VL);
+    for (int t = 0; t < n; t++) {
+        const vf pt = vbcast(p[t]);
+        for (int j = 0; j < nv; j++) acc[j] += pt * vload_any(v, voff + (size_t)t * stride + j * TK_VL, dtype);
+    }
+    for (int j = 0; j < nv; j++) vstore(o + j * TK_VL, acc[j]);
+}
+
+static inline __attribute__((always_inline)) void weighted_sum(float *o, const float *p, const void *v, size_t voff,
+                                                               size_t stride, int n, int head_dim, int dtype) {
+    int d = 0;
+    for (; d + 8 * TK_VL <= head_dim; d += 8 * TK_VL) weighted_sum_nv(8, o + d, p, v, voff + d, stride, n, dtype);
+    for (; d < head_dim; d += TK_VL) weighted_sum_nv(1, o + d, p, v, voff + d, stride, n, dtype);
+}
+
+/* Softmax in place over s[0 .. n). */
+static void softmax(float *s, int n) {
+    float m = -INFINITY;
+    for (int t = 0; t < n; t++) m = fmaxf(m, s[t]);
+    vf sum = vzero();
+    int t = 0;
+    for (; t + TK_VL <= n; t += TK_VL) {
+        const vf e = vexp_nonpositive(vload(s + t) - m);
+        vstore(s + t, e);
+        sum += e;
+    }
+    float total = vhsum(sum);
+    for (; t < n; t++) {
+        s[t] = exp_nonpositive(s[t] - m);
+        total += s[t];
+    }
+    const float c = 1.0f / total;
+    for (t = 0; t < n; t++) s[t] *= c;
+}
+
+/* One decode row. qf: the row's query heads in float32, pre-scaled; of: float32 output;
+ * scores [heads][len]. Block by block, every head reads the block while it is in L1, and
+ * the next block is requested while this one is worked on. */
+static inline __attribute__((always_inline)) void decode_row(float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table,
+                       int len, int num_heads, const int *kv_head_of, int head_dim, int block_size,
+                       size_t token_stride, size_t elem, int dtype, float *scores) {
+    const size_t block_elems = (size_t)block_size * token_stride;
+    const int num_blocks = (len + block_size - 1) / block_size;
+    const int vec = head_dim % TK_VL == 0;
+    for (int b = 0; b < num_blocks; b++) {
+        const size_t kb = (size_t)table[b] * block_elems;
+        const char *k_next = k_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
+        const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+        for (int h = 0; h < num_heads; h++) {
+            prefetch_part(k_next, block_elems * elem, h, num_heads);
+            const float *qh = qf + (size_t)h * head_dim;
+            float *sh = scores + (size_t)h * len + t0;
+            const size_t koff = kb + (size_t)kv_head_of[h] * head_dim;
+            int i = 0;
+            if (vec)
+                for (; i + 8 <= n; i += 8) dots8(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
+            for (; i < n; i++) sh[i] = dot(qh, k_cache, koff + (size_t)i * token_stride, head_dim, dtype);
+        }
+    }
+    for (int h = 0; h < num_heads; h++) softmax(scores + (size_t)h * len, len);
+    memset(of, 0, sizeof(float) * (size_t)num_heads * head_dim);
+    for (int b = 0; b < num_blocks; b++) {
+        const size_t vb = (size_t)table[b] * block_elems;
+        const char *v_next = v_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
+        const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+        for (int h = 0; h < num_heads; h++) {
+            prefetch_part(v_next, block_elems * elem, h, num_heads);
+            const size_t voff = vb + (size_t)kv_head_of[h] * head_dim;
+            const float *ph = scores + (size_t)h * len + t0;
+            float *oh = of + (size_t)h * head_dim;
+            if (vec) {
+                weighted_sum(oh, ph, v_cache, voff, token_stride, n, head_dim, dtype);
+            } else {
+                for (int i = 0; i < n; i++)
+                    for (int d = 0; d < head_dim; d++) oh[d] += ph[i] * load_any(v_cache, voff + (size_t)i * token_stride + d, dtype);
+            }
+        }
+    }
+}
+
+/* Returns 0, 1 if a scratch buffer could not be allocated, 2 on a bad shape. */
+int tk_decode_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
+                        const int32_t *block_table, const int32_t *ctx_lens, int num_rows, int num_heads,
+                        int num_kv_heads, int head_dim, int block_size, int table_stride, int max_ctx_len,
+                        float scale, int dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads > MAX_HEADS || head_dim <= 0 ||
+        block_size <= 0)
+        return 2;
+    const int group = num_heads / num_kv_heads;
+    int kv_head_of[MAX_HEADS];
+    for (int h = 0; h < num_heads; h++) kv_head_of[h] = h / group;
+    const size_t token_stride = (size_t)num_kv_heads * head_dim, elem = dtype == TK_BF16 ? 2 : 4;
+    const size_t row_elems = (size_t)num_heads * head_dim;
+    int failed = 0;
+    int threads = num_rows < num_threads ? num_rows : num_threads;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * ((size_t)num_heads * (max_ctx_len > 0 ? max_ctx_len : 1) + 2 * row_elems));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float *qf = scores + (size_t)num_heads * (max_ctx_len > 0 ? max_ctx_len : 1), *of = qf + row_elems;
+#pragma omp for schedule(dynamic, 1)
+        for (int row = 0; row < num_rows; row++) {
+            if (scores == NULL) continue;
+            const int len = ctx_lens[row] > 0 ? (ctx_lens[row] < max_ctx_len ? ctx_lens[row] : max_ctx_len) : 0;
+            for (size_t i = 0; i < row_elems; i++) qf[i] = scale * load_any(q, (size_t)row * q_row_stride + i, dtype);
+            const int32_t *table = block_table + (size_t)row * table_stride;
+            /* one copy of the row loop per dtype, so no load tests the dtype */
+            if (len > 0 && dtype == TK_BF16)
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, kv_head_of,
+                           head_dim, block_size, token_stride, elem, TK_BF16, scores);
+            else if (len > 0)
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, kv_head_of,
+                           head_dim, block_size, token_stride, elem, TK_F32, scores);
+            else
+                memset(of, 0, sizeof(float) * row_elems);
+            size_t i = 0;
+            for (; i + TK_VL <= row_elems; i += TK_VL) vstore_any(out, (size_t)row * row_elems + i, vload(of + i), dtype);
+            for (; i < row_elems; i++) store_any(out, (size_t)row * row_elems + i, of[i], dtype);
+        }
+        free(scores);
+    }
+    return failed;
+}
+
+/* acc[r] += sum_k a[r * ars + k * aks] * b[k * ldb .. + TK_VL) for r < mr: one register tile.
+ * A is read with any row and k strides (rows of K, or columns of P^T). */
+static inline __attribute__((always_inline)) void tile_rows(const int mr, const float *a, size_t ars, size_t aks,
+                                                            const float *b, size_t ldb, int kdim, vf acc[MR]) {
+    for (int k = 0; k < kdim; k++) {
+        const vf bk = vload(b + (size_t)k * ldb);
+        for (int r = 0; r < mr; r++) acc[r] += vbcast(a[(size_t)r * ars + (size_t)k * aks]) * bk;
+    }
+}
+
+/* C[rows][cols] (= or +=) A[rows][kdim] B[kdim][cols]; cols a multiple of TK_VL. */
+static void small_gemm(float *c, size_t ldc, const float *a, size_t ars, size_t aks, const float *b, size_t ldb,
+                       int rows, int cols, int kdim, int accumulate) {
+    for (int j = 0; j < cols; j += TK_VL)
+        for (int r0 = 0; r0 < rows; r0 += MR) {
+            const int mr = rows - r0 < MR ? rows - r0 : MR;
+            vf acc[MR];
+            for (int r = 0; r < mr; r++) acc[r] = accumulate ? vload(c + (size_t)(r0 + r) * ldc + j) : vzero();
+            const float *ar = a + (size_t)r0 * ars;
+            switch (mr) { /* a literal row count per case: the tile stays in registers */
+            case 12: tile_rows(12, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 11: tile_rows(11, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 10: tile_rows(10, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 9: tile_rows(9, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 8: tile_rows(8, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 7: tile_rows(7, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 6: tile_rows(6, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 5: tile_rows(5, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 4: tile_rows(4, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 3: tile_rows(3, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            case 2: tile_rows(2, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            default: tile_rows(1, ar, ars, aks, b + j, ldb, kdim, acc); break;
+            }
+            for (int r = 0; r < mr; r++) vstore(c + (size_t)(r0 + r) * ldc + j, acc[r]);
+        }
+}
+
+typedef struct {
+    int chunk, tile, kv_head, first_pos;
+} prefill_item;
+
+static int by_context_desc(const void *a, const void *b) {
+    const prefill_item *x = a, *y = b;
+    if (x->first_pos != y->first_pos) return x->first_pos > y->first_pos ? -1 : 1;
+    if (x->chunk != y->chunk) return x->chunk - y->chunk;
+    return x->kv_head - y->kv_head;
+}
+
+/* One prefill item: rows = QT * group query vectors (query token j / group, head
+ * kv_head * group + j % group; rows past the chunk's end are zero and never stored).
+ * Buffers: qt [hd][rows] (Q^T, pre-scaled), o [rows][hd], st [bs][rows] (S^T, then P^T),
+ * kb, vb [bs][hd] (the block's K and V in float32, for a bfloat16 cache), m, l [rows]. */
+typedef struct {
+    float *qt, *o, *st, *kb, *vb, *m, *l;
+} prefill_scratch;
+
+static void prefill_item_run(const prefill_item *it, void *out, const void *q, long q_row_stride, const char *k_cache,
+                             const char *v_cache, const int32_t *table, int chunk_row, int chunk_start, int chunk_len,
+                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtype,
+                             const prefill_scratch *w) {
+    const int group = num_heads / num_kv_heads, rows = QT * group, kvh = it->kv_head;
+    const size_t token_stride = (size_t)num_kv_heads * head_dim, block_elems = (size_t)block_size * token_stride;
+    const int q0 = it->tile * QT, nqt = chunk_len - q0 < QT ? chunk_len - q0 : QT;
+    const int pos0 = chunk_start + q0, nrows = nqt * group;
+    for (int j = 0; j < rows; j++) {
+        const size_t src = (size_t)(chunk_row + q0 + j / group) * q_row_stride + (size_t)(kvh * group + j % group) * head_dim;
+        for (int d = 0; d < head_dim; d++) w->qt[(size_t)d * rows + j] = j < nrows ? scale * load_any(q, src + d, dtype) : 0.0f;
+        w->m[j] = -INFINITY;
+        w->l[j] = 0.0f;
+    }
+    memset(w->o, 0, sizeof(float) * (size_t)rows * head_dim);
+    const int last_pos = pos0 + nqt - 1, num_blocks = last_pos / block_size + 1;
+    for (int b = 0; b < num_blocks; b++) {
+        const size_t base = (size_t)table[b] * block_elems + (size_t)kvh * head_dim;
+        const int t0 = b * block_size, ntok = last_pos + 1 - t0 < block_size ? last_pos + 1 - t0 : block_size;
+        const float *kr = (const float *)k_cache + base, *vr = (const float *)v_cache + base;
+        size_t kv_stride = token_stride;
+        if (dtype == TK_BF16) { /* widen the block's K and V once; every query vector reads them */
+            for (int t = 0; t < ntok; t++)
+                for (int d = 0; d < head_dim; d += TK_VL) {
+                    vstore(w->kb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)k_cache + base + t * token_stride + d));
+                    vstore(w->vb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)v_cache + base + t * token_stride + d));
+                }
+            kr = w->kb, vr = w->vb, kv_stride = head_dim;
+        }
+        /* S^T [ntok][rows] = K [ntok][hd] Q^T [hd][rows] */
+        small_gemm(w->st, rows, kr, kv_stride, 1, w->qt, rows, ntok, rows, head_dim, 0);
+        /* Online softmax, TK_VL query vectors at a time; token t0 + t is visible to query
+         * vector j when it is not past the query's position. */
+        const int diagonal = t0 + ntok - 1 > pos0;
+        for (int j = 0; j < rows; j += TK_VL) {
+            vf qpos;
+            for (int l = 0; l < TK_VL; l++) qpos[l] = (float)(pos0 + (j + l) / group);
+            vf mb = vload(w->m + j);
+            for (int t = 0; t < ntok; t++) {
+                vf st = vload(w->st + (size_t)t * rows + j);
+                if (diagonal) st = vselect((vi)(vbcast((float)(t0 + t)) <= qpos), st, vbcast(-INFINITY));
+                vstore(w->st + (size_t)t * rows + j, st);
+                mb = vmax(mb, st);
+            }
+            const vf m_old = vload(w->m + j);
+            /* rows that see no token yet keep m = -inf; they get p = 0 and corr = 1 */
+            const vi seen = (vi)(mb > vbcast(-INFINITY));
+            const vf mref = vselect(seen, mb, vzero());
+            const vf corr = vselect((vi)(m_old > vbcast(-INFINITY)), vexp_nonpositive(m_old - mref), vbcast(1.0f));
+            vf sum = vzero();
+            for (int t = 0; t < ntok; t++) {
+                const vf st = vload(w->st + (size_t)t * rows + j);
+                const vf p = vselect((vi)(st > vbcast(-INFINITY)), vexp_nonpositive(st - mref), vzero());
+                vstore(w->st + (size_t)t * rows + j, p);
+                sum += p;
+            }
+            vstore(w->m + j, mb);
+            vstore(w->l + j, vload(w->l + j) * corr + sum);
+            for (int l = 0; l < TK_VL; l++)
+                if (corr[l] != 1.0f) {
+                    float *oj = w->o + (size_t)(j + l) * head_dim;
+                    const vf c = vbcast(corr[l]);
+                    for (int d = 0; d < head_dim; d += TK_VL) vstore(oj + d, vload(oj + d) * c);
+                }
+        }
+        /* O [rows][hd] += P [rows][ntok] V [ntok][hd], P read from P^T */
+        small_gemm(w->o, head_dim, w->st, 1, rows, vr, kv_stride, rows, head_dim, ntok, 1);
+    }
+    for (int j = 0; j < nrows; j++) {
+        const size_t dst = ((size_t)(chunk_row + q0 + j / group) * num_heads + kvh * group + j % group) * head_dim;
+        const float inv = w->l[j] > 0.0f ? 1.0f / w->l[j] : 0.0f;
+        for (int d = 0; d < head_dim; d += TK_VL) vstore_any(out, dst + d, vload(w->o + (size_t)j * head_dim + d) * inv, dtype);
+    }
+}
+
+/* Returns 0, 1 if a scratch buffer could not be allocated, 2 on a bad shape. */
+int tk_prefill_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
+                         const int32_t *block_table, const int32_t *chunk_rows, const int32_t *chunk_starts,
+                         const int32_t *chunk_lens, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, int table_stride, float scale, int dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim % TK_VL != 0 ||
+        block_size <= 0 || (QT * (num_heads / num_kv_heads)) % TK_VL != 0)
+        return 2;
+    const int rows = QT * (num_heads / num_kv_heads);
+    int num_items = 0;
+    for (int c = 0; c < num_chunks; c++) num_items += (chunk_lens[c] + QT - 1) / QT * num_kv_heads;
+    if (num_items == 0) return 0;
+    prefill_item *items = malloc(sizeof(prefill_item) * (size_t)num_items);
+    if (items == NULL) return 1;
+    int n = 0;
+    for (int c = 0; c < num_chunks; c++)
+        for (int t = 0; t < (chunk_lens[c] + QT - 1) / QT; t++)
+            for (int h = 0; h < num_kv_heads; h++) items[n++] = (prefill_item){c, t, h, chunk_starts[c] + t * QT};
+    /* Heaviest first (the tiles that see the longest contexts), so the last items are short. */
+    qsort(items, (size_t)n, sizeof(prefill_item), by_context_desc);
+    int failed = 0, next = 0;
+    const int threads = num_items < num_threads ? num_items : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const size_t nq = (size_t)rows * head_dim, nkv = (size_t)block_size * head_dim;
+        float *buf = malloc(sizeof(float) * (2 * nq + (size_t)block_size * rows + 2 * nkv + 2 * (size_t)rows));
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        prefill_scratch w = {buf, buf + nq, buf + 2 * nq, NULL, NULL, NULL, NULL};
+        if (buf != NULL) {
+            w.kb = w.st + (size_t)block_size * rows;
+            w.vb = w.kb + nkv;
+            w.m = w.vb + nkv;
+            w.l = w.m + rows;
+        }
+        for (;;) {
+            int i;
+#pragma omp atomic capture
+            i = next++;
+            if (i >= num_items || buf == NULL) break;
+            const prefill_item *it = &items[i];
+            const int c = it->chunk;
+            prefill_item_run(it, out, q, q_row_stride, (const char *)k_cache, (const char *)v_cache,
+                             block_table + (size_t)c * table_stride, chunk_rows[c], chunk_starts[c], chunk_lens[c],
+                             num_heads, num_kv_heads, head_dim, block_size, scale, dtype, &w);
+        }
+        free(buf);
+    }
+    free(items);
+    return failed;
+}

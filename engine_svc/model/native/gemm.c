@@ -1,0 +1,238 @@
+/*
+ * C = A @ W^T (+ bias) for the model's linear layers, with W packed once at load time.
+ *
+ *   A  [M, K] float32 or bfloat16, row stride lda (activations, row-major)
+ *   W  [N, K] -> panels of NR = 2 * TK_VL output columns: panel p holds columns
+ *      p*NR .. p*NR+NR-1 as [K][NR] (zero-padded past N), float32 or bfloat16
+ *   C  [M, N] float32 or bfloat16, row stride ldc
+ *
+ *      panel 0          panel 1               one micro-tile: MR rows x NR columns,
+ *   k ┌──────────┐   ┌──────────┐           accumulated in 2 * MR vector registers over
+ *   0 │ n0 .. n15│   │n16 .. n31│           the whole of K, then written once
+ *   1 │ n0 .. n15│   │n16 .. n31│
+ *   : │          │   │          │
+ *
+ * Every product is a float32 multiply-add (bfloat16 inputs are widened, which is exact),
+ * the result is rounded to C's dtype once: the arithmetic of torch's bfloat16 matmul on a
+ * CPU without bfloat16 dot products, and of any float32 matmul.
+ *
+ * Work items are (row block, panel) pairs taken from one shared counter, so a thread that
+ * the OS delays leaves its share to the other threads instead of holding up a barrier.
+ * A row block is sized so its A rows stay in the core's L2 cache while the panels stream
+ * past; items run row block by row block, so the threads share the block's A.
+ *
+ * SILU_MUL epilogue (gate/up projection): the weight was packed as pairs (gate panel p,
+ * up panel p), and C [M, N/2] = silu(A @ Wg^T) * (A @ Wu^T), with torch's roundings in
+ * bfloat16 (gate, up, silu and the product each rounded).
+ */
+#include <stdlib.h>
+
+#include "tandem_kernels.h"
+
+#if defined(__AVX512F__)
+#define MR 12
+#else
+#define MR 6
+#endif
+#define NR (2 * TK_VL)
+#define KC (4096 / NR) /* K slice: a panel's slice is 16 KiB of float32, it stays in L1 */
+
+enum { EPI_NONE = 0, EPI_SILU_MUL = 1 };
+
+int tk_gemm_nr(void) { return NR; }
+
+/* W [N, K] (dtype wdtype) -> panels (dtype pdtype). With pairs, the first N/2 rows of W
+ * (gate) and the last N/2 (up) are packed as alternating panels. */
+void tk_gemm_pack(const void *w, int wdtype, int N, int K, int pairs, void *out, int pdtype) {
+    const int half = pairs ? N / 2 : N;
+    const int np_half = (half + NR - 1) / NR;
+    const int num_panels = pairs ? 2 * np_half : np_half;
+    for (int p = 0; p < num_panels; p++) {
+        const int part = pairs ? p % 2 : 0, q = pairs ? p / 2 : p; /* part 1 = up */
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < NR; j++) {
+                const int col = q * NR + j;
+                const float x = col < half ? load_any(w, (size_t)(part * half + col) * K + k, wdtype) : 0.0f;
+                store_any(out, ((size_t)p * K + k) * NR + j, x, pdtype);
+            }
+    }
+}
+
+/* Rows of one micro-tile: acc (=|+=) A[0..mr)[0..kc) @ panel[0..kc)[0..NR), kept in cs [mr][NR]. */
+static inline __attribute__((always_inline)) void micro_tile(
+    const int mr, const float *a, int lda, const void *panel, int pdtype, int kc, float *cs, int first) {
+    vf acc[MR][2];
+    for (int r = 0; r < mr; r++) {
+        acc[r][0] = first ? vzero() : vload(cs + r * NR);
+        acc[r][1] = first ? vzero() : vload(cs + r * NR + TK_VL);
+    }
+    if (pdtype == TK_BF16) {
+        const bf16 *b = (const bf16 *)panel;
+        for (int k = 0; k < kc; k++) {
+            const vf b0 = vload_bf16(b + (size_t)k * NR), b1 = vload_bf16(b + (size_t)k * NR + TK_VL);
+            for (int r = 0; r < mr; r++) {
+                const vf ar = vbcast(a[(size_t)r * lda + k]);
+                acc[r][0] += ar * b0;
+                acc[r][1] += ar * b1;
+            }
+        }
+    } else {
+        const float *b = (const float *)panel;
+        for (int k = 0; k < kc; k++) {
+            const vf b0 = vload(b + (size_t)k * NR), b1 = vload(b + (size_t)k * NR + TK_VL);
+            for (int r = 0; r < mr; r++) {
+                const vf ar = vbcast(a[(size_t)r * lda + k]);
+                acc[r][0] += ar * b0;
+                acc[r][1] += ar * b1;
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        vstore(cs + r * NR, acc[r][0]);
+        vstore(cs + r * NR + TK_VL, acc[r][1]);
+    }
+}
+
+typedef struct {
+    const float *a; /* float32 A (converted when the caller's A is bfloat16) */
+    int lda;
+    const char *panels;
+    int pdtype;
+    size_t panel_bytes, elem;
+    const float *bias; /* [num_panels * NR] float32, panel order, or NULL */
+    void *c;
+    int ldc, cdtype;
+    int N, K; /* N: columns of C */
+    int epilogue;
+} gemm_args;
+
+/* cs [rows][NR] = A[m0..m1) @ panel p, K in slices of KC so that the panel's slice stays
+ * in L1 while every MR-row tile of the block goes past it. */
+static void block_times_panel(const gemm_args *g, int m0, int m1, int p, float *cs) {
+    const char *panel = g->panels + (size_t)p * g->panel_bytes;
+    for (int k0 = 0; k0 < g->K; k0 += KC) {
+        const int kc = g->K - k0 < KC ? g->K - k0 : KC;
+        const void *pk = panel + (size_t)k0 * NR * g->elem;
+        for (int m = m0; m < m1; m += MR) {
+            const float *a = g->a + (size_t)m * g->lda + k0;
+            float *c = cs + (size_t)(m - m0) * NR;
+            switch (m1 - m < MR ? m1 - m : MR) { /* a literal row count per case: the tile stays in registers */
+#if MR > 6
+            case 12: micro_tile(12, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 11: micro_tile(11, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 10: micro_tile(10, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 9: micro_tile(9, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 8: micro_tile(8, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 7: micro_tile(7, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+#endif
+            case 6: micro_tile(6, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 5: micro_tile(5, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 4: micro_tile(4, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 3: micro_tile(3, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 2: micro_tile(2, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            default: micro_tile(1, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            }
+        }
+    }
+}
+
+static inline void store_row(const gemm_args *g, size_t row, int col0, int ncols, const float *t) {
+    if (ncols == NR) {
+        vstore_any(g->c, row * g->ldc + col0, vload(t), g->cdtype);
+        vstore_any(g->c, row * g->ldc + col0 + TK_VL, vload(t + TK_VL), g->cdtype);
+        return;
+    }
+    for (int j = 0; j < ncols; j++) store_any(g->c, row * g->ldc + col0 + j, t[j], g->cdtype);
+}
+
+/* Output tile q (columns q*NR ..) of rows m0 .. m1; cs: scratch of 2 * rows * NR floats. */
+static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
+    const int bf = g->cdtype == TK_BF16, rows = m1 - m0;
+    const int col0 = q * NR, ncols = g->N - col0 < NR ? g->N - col0 : NR;
+    if (g->epilogue == EPI_SILU_MUL) {
+        float *gate = cs, *up = cs + (size_t)rows * NR;
+        block_times_panel(g, m0, m1, 2 * q, gate);
+        block_times_panel(g, m0, m1, 2 * q + 1, up);
+        for (int r = 0; r < rows; r++) {
+            float *gr = gate + (size_t)r * NR, *ur = up + (size_t)r * NR;
+            for (int j = 0; j < NR; j++) {
+                float x = gr[j], u = ur[j];
+                if (g->bias) x += g->bias[(size_t)(2 * q) * NR + j], u += g->bias[(size_t)(2 * q + 1) * NR + j];
+                if (bf) x = round_bf16(x), u = round_bf16(u);
+                x = silu(x);
+                if (bf) x = round_bf16(x);
+                gr[j] = x * u;
+            }
+            store_row(g, (size_t)(m0 + r), col0, ncols, gr);
+        }
+        return;
+    }
+    block_times_panel(g, m0, m1, q, cs);
+    for (int r = 0; r < rows; r++) {
+        float *cr = cs + (size_t)r * NR;
+        if (g->bias)
+            for (int j = 0; j < NR; j++) cr[j] += g->bias[(size_t)q * NR + j];
+        store_row(g, (size_t)(m0 + r), col0, ncols, cr);
+    }
+}
+
+/* Returns 0, 1 if scratch memory could not be allocated, or 2 on a bad argument. ws: M * K floats when adtype is bfloat16. */
+int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, const float *bias, void *c, int ldc,
+            int cdtype, int M, int N, int K, int epilogue, float *ws, int num_threads) {
+    if (M < 0 || N <= 0 || K <= 0 || (epilogue != EPI_NONE && epilogue != EPI_SILU_MUL)) return 2;
+    if (M == 0) return 0;
+    if (adtype == TK_BF16 && ws == NULL) return 2;
+    gemm_args g = {
+        .a = adtype == TK_BF16 ? ws : (const float *)a,
+        .lda = adtype == TK_BF16 ? K : lda,
+        .panels = (const char *)panels,
+        .pdtype = pdtype,
+        .panel_bytes = (size_t)K * NR * (pdtype == TK_BF16 ? 2 : 4),
+        .elem = pdtype == TK_BF16 ? 2 : 4,
+        .bias = bias,
+        .c = c,
+        .ldc = ldc,
+        .cdtype = cdtype,
+        .N = N,
+        .K = K,
+        .epilogue = epilogue,
+    };
+    const int num_tiles = (N + NR - 1) / NR;
+    /* Rows per block: A's block stays within ~384 KiB of L2. */
+    int mc = (384 * 1024 / (4 * K)) / MR * MR;
+    if (mc < MR) mc = MR;
+    const int num_row_blocks = (M + mc - 1) / mc;
+    const int num_items = num_row_blocks * num_tiles;
+    /* Small products run on one thread: a parallel region costs more than they do. */
+    const double flops = 2.0 * M * N * K * (epilogue == EPI_SILU_MUL ? 2 : 1);
+    int threads = flops < 2e5 ? 1 : num_threads;
+    if (threads > num_items) threads = num_items;
+    int next = 0, failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
+        if (cs == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        if (adtype == TK_BF16) {
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; m++) {
+                const bf16 *src = (const bf16 *)a + (size_t)m * lda;
+                float *dst = ws + (size_t)m * K;
+                for (int k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+            }
+        }
+        for (;;) {
+            int item;
+#pragma omp atomic capture
+            item = next++;
+            if (item >= num_items || cs == NULL) break;
+            const int mb = item / num_tiles, q = item % num_tiles;
+            const int m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
+            output_tile(&g, m0, m1, q, cs);
+        }
+        free(cs);
+    }
+    return failed;
+}

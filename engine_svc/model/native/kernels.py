@@ -1,0 +1,245 @@
+"""ctypes bindings of the compiled kernels, with the argument checks the C code relies on.
+
+Every tensor handed to C is a CPU tensor of the checked dtype and layout; the C side
+trusts its inputs. ctypes releases the GIL for the duration of each call, so the gRPC
+threads keep running while a kernel works. Threads come from the OpenMP runtime torch
+has already loaded (same soname), so kernels and torch's own ops share one pool, sized
+by ``torch.get_num_threads()`` at each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "tk_gemm_nr": [],
+    "tk_gemm_pack": [_P, _I, _I, _I, _I, _P, _I],
+    "tk_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I],
+    "tk_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
+    "tk_silu_mul": [_P, _P, _I, _I, _I, _I],
+    "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
+    "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+    "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+}
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+def _code(t: torch.Tensor) -> int:
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None or t.device.type != "cpu":
+        raise ValueError(f"native kernels take float32 or bfloat16 CPU tensors, got {t.dtype} on {t.device}")
+    return code
+
+
+def _contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("native kernels take contiguous tensors")
+
+
+def _check(name: str, rc: int) -> None:
+    if rc != 0:
+        raise KernelError(f"{name} failed (code {rc})")
+
+
+class PackedWeight:
+    """A linear layer's weight in the GEMM's panel layout (gemm.c), and its bias padded to
+    whole panels (float32). ``out_features`` is the width of the result: half the weight's
+    rows for a gate/up pair packed for the fused SiLU-and-multiply."""
+
+    def __init__(
+        self, panels: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int, silu_mul: bool
+    ):
+        self.panels = panels
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+        self.silu_mul = silu_mul
+
+
+class NativeKernels:
+    def __init__(self, path: Path, isa: str) -> None:
+        self.isa = isa
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = argtypes
+        self._lib = lib
+        self.panel_width = lib.tk_gemm_nr()
+        self.vector_width = self.panel_width // 2  # floats per vector register of this build
+
+    def supports_prefill_attention(self, head_dim: int) -> bool:
+        """The prefill kernel works on whole vectors of head dimensions."""
+        return head_dim % self.vector_width == 0
+
+    # -- matmul -----------------------------------------------------------------------
+
+    def pack(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, silu_mul: bool = False
+    ) -> PackedWeight:
+        """Pack ``weight`` [N, K] (and ``bias`` [N]) for ``gemm`` in ``dtype``. With
+        ``silu_mul``, the first N/2 rows are the gate and the last N/2 the up projection."""
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        if silu_mul and n % 2:
+            raise ValueError("a gate/up weight has an even number of rows")
+        nr = self.panel_width
+        half = n // 2 if silu_mul else n
+        num_panels = -(-half // nr) * (2 if silu_mul else 1)
+        panels = torch.empty(num_panels * k * nr, dtype=dtype)
+        self._lib.tk_gemm_pack(weight.data_ptr(), _code(weight), n, k, int(silu_mul), panels.data_ptr(), _code(panels))
+        padded = None
+        if bias is not None:
+            parts = bias.detach().float().split(half) if silu_mul else (bias.detach().float(),)
+            cols = [torch.nn.functional.pad(p, (0, num_panels // len(parts) * nr - half)).view(-1, nr) for p in parts]
+            padded = torch.stack(cols, 1).reshape(-1).contiguous() if silu_mul else cols[0].reshape(-1).contiguous()
+        return PackedWeight(panels, padded, k, half, silu_mul)
+
+    def gemm(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype."""
+        if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
+            raise ValueError(f"gemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
+        m = x.shape[0]
+        out = torch.empty(m, w.out_features, dtype=x.dtype)
+        code = _code(x)
+        ws = torch.empty(m * w.in_features if code else 0, dtype=torch.float32)  # bfloat16 A in float32
+        rc = self._lib.tk_gemm(
+            x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), _code(w.panels),
+            None if w.bias is None else w.bias.data_ptr(), out.data_ptr(), w.out_features, code,
+            m, w.out_features, w.in_features, EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
+            ws.data_ptr() if code else None, torch.get_num_threads(),
+        )  # fmt: skip
+        _check("gemm", rc)
+        return out
+
+    # -- small ops --------------------------------------------------------------------
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """norm(x) * weight; with ``residual``, first ``residual += x`` (in place) and the
+        norm of the sum. x, residual [rows, dim]; weight [dim]; one dtype."""
+        _contiguous(x, weight)
+        code = _code(x)
+        if residual is not None:
+            _contiguous(residual)
+            if residual.shape != x.shape or residual.dtype != x.dtype:
+                raise ValueError("rms_norm: residual must match x")
+        if weight.dtype != x.dtype or weight.shape[-1] != x.shape[-1]:
+            raise ValueError("rms_norm: weight must match x's dtype and width")
+        out = torch.empty_like(x)
+        rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+        rc = self._lib.tk_rms_norm(
+            out.data_ptr(), None if residual is None else residual.data_ptr(), x.data_ptr(), weight.data_ptr(),
+            rows, dim, eps, code, torch.get_num_threads(),
+        )  # fmt: skip
+        _check("rms_norm", rc)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] -> silu(gate) * up [rows, inter]."""
+        _contiguous(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        _check(
+            "silu_mul",
+            self._lib.tk_silu_mul(
+                out.data_ptr(), gate_up.data_ptr(), rows, width // 2, _code(gate_up), torch.get_num_threads()
+            ),
+        )
+        return out
+
+    def rope(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, head_dim: int
+    ) -> None:
+        """Rotate the first ``num_heads`` heads of every row of ``qkv`` [rows, width] in place.
+        positions [rows] int64; cos_sin [max_position, head_dim] float32 (cos | sin)."""
+        if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < num_heads * head_dim:
+            raise ValueError("rope: qkv must be [rows, width] with unit column stride")
+        if positions.dtype != torch.int64 or positions.shape[0] != qkv.shape[0] or not positions.is_contiguous():
+            raise ValueError("rope: one int64 position per row")
+        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != head_dim:
+            raise ValueError("rope: cos_sin must be float32 [max_position, head_dim]")
+        rc = self._lib.tk_rope(
+            qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0],
+            qkv.shape[0], num_heads, head_dim, _code(qkv), torch.get_num_threads(),
+        )  # fmt: skip
+        _check("rope", rc)
+
+    # -- attention --------------------------------------------------------------------
+
+    def _check_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+        _contiguous(out, k_cache, v_cache)
+        code = _code(q)
+        if not (out.dtype == q.dtype == k_cache.dtype == v_cache.dtype):
+            raise ValueError("attention: q, out and the caches must share one dtype")
+        num_heads, head_dim = out.shape[1], out.shape[2]
+        if q.dim() != 2 or q.stride(1) != 1 or q.shape[1] < num_heads * head_dim or q.shape[0] != out.shape[0]:
+            raise ValueError("attention: q must be [rows, >= heads * head_dim] with unit column stride")
+        if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
+            raise ValueError("attention: cache shape mismatch")
+        return code
+
+    @staticmethod
+    def _check_int32(*tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.dtype != torch.int32 or not t.is_contiguous():
+                raise ValueError("attention: index tensors must be contiguous int32")
+
+    def decode_attention(
+        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_table: torch.Tensor, ctx_lens: torch.Tensor, max_ctx_len: int, scale: float,
+    ) -> None:  # fmt: skip
+        """One query token per row. out [rows, heads, head_dim]; q [rows, >= heads * head_dim]
+        (the q part of qkv); caches [blocks, block_size, kv_heads, head_dim]; block_table
+        [rows, stride] int32; ctx_lens [rows] int32."""
+        code = self._check_attention(out, q, k_cache, v_cache)
+        self._check_int32(block_table, ctx_lens)
+        rows = out.shape[0]
+        if block_table.shape[0] != rows or ctx_lens.shape[0] != rows:
+            raise ValueError("decode attention: one block-table row and one length per query row")
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        rc = self._lib.tk_decode_attention(
+            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_table.data_ptr(), ctx_lens.data_ptr(), rows, out.shape[1], num_kv_heads, head_dim, block_size,
+            block_table.shape[1], max_ctx_len, scale, code, torch.get_num_threads(),
+        )  # fmt: skip
+        _check("decode attention", rc)
+
+    def prefill_attention(
+        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_table: torch.Tensor, chunk_rows: torch.Tensor, chunk_starts: torch.Tensor, chunk_lens: torch.Tensor,
+        scale: float,
+    ) -> None:  # fmt: skip
+        """Causal attention of prefill chunks over the paged cache (their own K/V included).
+        Chunk c: rows chunk_rows[c] .. + chunk_lens[c] of q/out, positions chunk_starts[c] ..;
+        block_table [chunks, stride] int32."""
+        code = self._check_attention(out, q, k_cache, v_cache)
+        self._check_int32(block_table, chunk_rows, chunk_starts, chunk_lens)
+        num_chunks = chunk_lens.shape[0]
+        if (
+            block_table.shape[0] != num_chunks
+            or chunk_rows.shape[0] != num_chunks
+            or chunk_starts.shape[0] != num_chunks
+        ):
+            raise ValueError("prefill attention: one block-table row, row start and position per chunk")
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        rc = self._lib.tk_prefill_attention(
+            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_table.data_ptr(), chunk_rows.data_ptr(), chunk_starts.data_ptr(), chunk_lens.data_ptr(),
+            num_chunks, out.shape[1], num_kv_heads, head_dim, block_size, block_table.shape[1], scale, code,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        _check("prefill attention", rc)

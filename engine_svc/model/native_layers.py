@@ -1,0 +1,117 @@
+"""The model's layers on the native CPU kernels (engine_svc/model/native), swapped in at load.
+
+    install_native_layers(model, kernels, dtype, matmuls="native"|"onednn"|"torch")
+
+replaces, in place and all at once:
+
+    RMSNorm          -> NativeRMSNorm      one pass: residual add + norm + gain
+    RotaryEmbedding  -> NativeRotary       RoPE in place on the fused qkv, cos/sin from a table
+    nn.Linear        -> NativeLinear       (matmuls="native") weights packed for gemm.c;
+                                           MLP gate/up fused with SiLU-and-multiply
+                        PackedLinear       (matmuls="onednn") oneDNN's packed matmul
+
+Each replacement computes what the module it replaces computes, with the same roundings
+(tests/engine/test_native_kernels.py holds them to that). Attention over the paged cache
+is chosen per step by ``AttentionMetadata`` (engine_svc/model/attention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from engine_svc.model.llama import MLP, RMSNorm, RotaryEmbedding, StepRope, Transformer
+from engine_svc.model.native import NativeKernels, PackedWeight
+from engine_svc.model.packed_linear import pack_linears
+
+logger = logging.getLogger(__name__)
+
+
+class NativeLinear(nn.Module):
+    """``y = x @ W.T + b`` with W packed for the native GEMM; with ``silu_mul`` (a gate/up
+    projection) ``y = silu(x @ Wg.T + bg) * (x @ Wu.T + bu)``."""
+
+    def __init__(self, kernels: NativeKernels, packed: PackedWeight) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.packed = packed  # not a Parameter: no state_dict entry
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gemm(x, self.packed)
+
+    def extra_repr(self) -> str:
+        p = self.packed
+        return f"in_features={p.in_features}, out_features={p.out_features}, silu_mul={p.silu_mul}"
+
+
+class NativeRMSNorm(nn.Module):
+    def __init__(self, kernels: NativeKernels, norm: RMSNorm) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.eps = norm.eps
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps), x
+        # The stream is updated in place: it is this step's own tensor (the embedding
+        # output, then sums), never a caller's.
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual=residual), residual
+
+
+class NativeStepRope(StepRope):
+    """Rotates q and k in place inside the fused qkv tensor and returns views of it."""
+
+    def __init__(self, kernels: NativeKernels, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        self.kernels = kernels
+        self.positions = positions  # [num_tokens] int64
+        self.cos_sin = cos_sin  # [max_position, head_dim] float32: cos | sin, rounded to the model dtype
+
+    def split(self, qkv: torch.Tensor, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.kernels.rope(qkv, self.positions, self.cos_sin, nh + nkv, hd)
+        n = qkv.shape[0]
+        q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+        return q.view(n, nh, hd), k.view(n, nkv, hd), v.view(n, nkv, hd)
+
+
+class NativeRotary(nn.Module):
+    def __init__(self, kernels: NativeKernels, rotary: RotaryEmbedding, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kernels = kernels
+        cos, sin = rotary.cos_sin(torch.arange(max_position), dtype)  # exactly the values the torch path uses
+        self.cos_sin = torch.cat((cos, sin), dim=-1).float().contiguous()  # [max_position, head_dim]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        return NativeStepRope(self.kernels, positions.contiguous(), self.cos_sin)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def install_native_layers(model: Transformer, kernels: NativeKernels, dtype: torch.dtype, matmuls: str) -> int:
+    """Swap the model's layers for native ones (see the module docstring); returns how many
+    linear layers now run outside ``F.linear``."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, RMSNorm):
+            _replace(model, name, NativeRMSNorm(kernels, module))
+    assert isinstance(model.rotary, RotaryEmbedding), "native layers are installed once"
+    model.rotary = NativeRotary(kernels, model.rotary, model.args.max_position_embeddings, dtype)
+    if matmuls == "onednn":
+        return pack_linears(model, batch_size_hint=64)
+    if matmuls != "native":
+        return 0
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in linears:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        fuse = isinstance(parent, MLP) and attr == "gate_up_proj"
+        packed = kernels.pack(linear.weight, linear.bias, dtype, silu_mul=fuse)
+        _replace(model, name, NativeLinear(kernels, packed))
+        if fuse:
+            assert isinstance(parent, MLP)
+            parent.act_fused = True
+    return len(linears)
