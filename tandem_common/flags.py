@@ -15,16 +15,22 @@ from collections.abc import Callable
 MAX_PORT = 65535
 # gRPC keeps message sizes in a signed 32-bit int.
 MAX_MESSAGE_BYTES = 2**31 - 1
-MIN_MESSAGE_BYTES = 64 * 1024  # below this a model's tokenizer files take thousands of chunks
+# Below this a single output with 20 logprobs per token no longer fits a stream message (an
+# engine stream message is a quarter of the limit); small limits are for tests of the bounds.
+MIN_MESSAGE_BYTES = 2048
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]  # --log-level, any case
 
 
 def _describe(lo: float | None, hi: float | None, kind: str, lo_open: bool = False) -> str:
+    def num(v: float) -> str:
+        return str(v) if isinstance(v, int) else f"{v:g}"
+
     if lo is not None and hi is not None:
-        return f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        return f"{kind} in {'(' if lo_open else '['}{num(lo)}, {num(hi)}]"
     if lo is not None:
-        return f"{kind} {'>' if lo_open else '>='} {lo:g}"
-    return f"{kind} <= {hi:g}"
+        return f"{kind} {'>' if lo_open else '>='} {num(lo)}"
+    assert hi is not None
+    return f"{kind} <= {num(hi)}"
 
 
 def int_in(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:

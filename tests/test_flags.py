@@ -26,17 +26,17 @@ ENGINE_REFUSED = [
     ("--num-threads", "0", "an integer >= 1"),
     ("--port", "65536", "an integer in [0, 65535]"),
     ("--metrics-port", "-1", "an integer in [0, 65535]"),
-    ("--max-message-bytes", "100", "an integer in [65536, 2.14748e+09]"),
+    ("--max-message-bytes", "100", "an integer in [2048, 2147483647]"),
     ("--stream-backlog-bytes", "1000", "an integer >= 65536"),
     ("--shutdown-timeout", "-5", "a number >= 0"),
     ("--shutdown-timeout", "nan", "a number >= 0"),
-    ("--seed", "-1", "an integer in [0, 1.84467e+19]"),
+    ("--seed", "-1", "an integer in [0, 18446744073709551615]"),
     ("--max-num-seqs", "four", "an integer >= 1"),
 ]
 FRONTEND_REFUSED = [
     ("--port", "99999", "an integer in [0, 65535]"),
     ("--metrics-port", "70000", "an integer in [0, 65535]"),
-    ("--max-message-bytes", "0", "an integer in [65536"),
+    ("--max-message-bytes", "0", "an integer in [2048"),
     ("--shutdown-timeout", "inf", "a number >= 0"),
 ]
 
