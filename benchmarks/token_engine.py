@@ -1,0 +1,229 @@
+"""A load-testing engine: serves tandem.engine.v1.EngineService with no model at all.
+
+    python -m benchmarks.token_engine [--model DIR] [--port 0] [--step-ms 1] [--ready-file PATH]
+
+It exists to drive a frontend at GPU-like token rates on a small machine, and only for
+benchmarks: it is never a stand-in for the real engine in tests of engine behaviour.
+
+Every ``--step-ms`` milliseconds it runs one "step": each live request of each stream
+gets one token, and each stream with news gets one StreamResponse, as the real engine
+does. Requests follow the engine's finish rules: max_tokens and the context length end
+them with LENGTH; a stop token id (or EOS unless ignore_eos) after min_tokens ends them
+with STOP; Abort and a closed stream end them with ABORT. The tokens are the ids of a
+sample text in the model's tokenizer, cycled, so the frontend detokenizes real text.
+GetModelInfo and GetTokenizer serve the model directory's files (default: the built-in
+demo model), so a frontend needs nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from tandem_common.ready import remove_ready_file, write_ready_file
+from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
+from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
+
+logger = logging.getLogger("benchmarks.token_engine")
+
+SAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the river runs past the old mill, "
+    "and a small boat drifts along under a grey and quiet sky. "
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    min_tokens: int
+    stop_token_ids: frozenset[int]
+    num_out: int = 0
+
+
+@dataclass(eq=False)  # hashed by identity: streams live in a set
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # StreamResponse | None (end)
+    live: dict[str, _Request] = field(default_factory=dict)
+    half_closed: bool = False
+
+
+class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, model_dir: Path, step_s: float, max_model_len: int) -> None:
+        from tokenizers import Tokenizer
+
+        self.model_dir = model_dir
+        self.step_s = step_s
+        self.max_model_len = max_model_len
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.tokens = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False).ids
+        self.streams: set[_Stream] = set()
+        self.num_steps = 0
+
+    def _load(self) -> pb.EngineLoad:
+        running = sum(len(s.live) for s in self.streams)
+        return pb.EngineLoad(num_running=running)
+
+    # -- the step loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        next_step = time.perf_counter()
+        while True:
+            next_step += self.step_s
+            delay = next_step - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                next_step = time.perf_counter()  # behind: do not try to catch up in a burst
+                await asyncio.sleep(0)
+            self.step()
+
+    def step(self) -> None:
+        self.num_steps += 1
+        load = None
+        for stream in list(self.streams):
+            if not stream.live:
+                continue
+            outputs = [self._advance(r) for r in list(stream.live.values())]
+            for out in outputs:
+                if out.finish_reason:
+                    del stream.live[out.request_id]
+            load = load or self._load()
+            stream.queue.put_nowait(pb.StreamResponse(outputs=outputs, load=load))
+            if stream.half_closed and not stream.live:
+                stream.queue.put_nowait(None)
+
+    def _advance(self, r: _Request) -> pb.RequestOutput:
+        token = self.tokens[r.num_out % len(self.tokens)]
+        r.num_out += 1
+        out = pb.RequestOutput(request_id=r.request_id, new_token_ids=[token], num_prompt_tokens=r.num_prompt_tokens)
+        if r.num_out >= r.min_tokens and token in r.stop_token_ids:
+            out.finish_reason = pb.FINISH_REASON_STOP
+            out.stop_token_id = token
+        elif r.num_out >= r.max_tokens or r.num_prompt_tokens + r.num_out >= self.max_model_len:
+            out.finish_reason = pb.FINISH_REASON_LENGTH
+        return out
+
+    # -- RPCs --------------------------------------------------------------------------------
+
+    async def Stream(self, request_iterator, context):
+        stream = _Stream()
+        self.streams.add(stream)
+        reader = asyncio.create_task(self._read(stream, request_iterator))
+        try:
+            while (response := await stream.queue.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+            self.streams.discard(stream)
+
+    async def _read(self, stream: _Stream, request_iterator) -> None:
+        async for msg in request_iterator:
+            if msg.HasField("add"):
+                add = msg.add
+                p = add.sampling_params
+                r = _Request(
+                    add.request_id,
+                    len(add.prompt_token_ids),
+                    max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+                    min_tokens=p.min_tokens,
+                    stop_token_ids=frozenset(p.stop_token_ids),
+                )
+                stream.live[add.request_id] = r
+            elif msg.HasField("abort"):
+                aborted = [stream.live.pop(rid) for rid in msg.abort.request_ids if rid in stream.live]
+                if aborted:
+                    outputs = [
+                        pb.RequestOutput(
+                            request_id=r.request_id,
+                            finish_reason=pb.FINISH_REASON_ABORT,
+                            num_prompt_tokens=r.num_prompt_tokens,
+                        )
+                        for r in aborted
+                    ]
+                    stream.queue.put_nowait(pb.StreamResponse(outputs=outputs, load=self._load()))
+        stream.half_closed = True
+        if not stream.live:
+            stream.queue.put_nowait(None)
+
+    async def GetModelInfo(self, request, context):
+        return pb.GetModelInfoResponse(
+            model_name=f"token-engine:{self.model_dir.name}",
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            dtype="none",
+            block_size=16,
+            architecture="none",
+            device="none",
+        )
+
+    async def GetLoad(self, request, context):
+        return pb.GetLoadResponse(load=self._load())
+
+    async def GetTokenizer(self, request, context):
+        for name in TOKENIZER_FILES:
+            path = self.model_dir / name
+            if path.is_file():
+                data = path.read_bytes()
+                yield pb.GetTokenizerResponse(
+                    file_name=name, offset=0, data=data, total_size=len(data), sha256=hashlib.sha256(data).hexdigest()
+                )
+
+
+async def serve(args) -> None:
+    model_dir = Path(args.model) if args.model else None
+    if model_dir is None:
+        from engine_svc.demo_model import ensure_demo_model
+
+        model_dir = ensure_demo_model()
+    engine = TokenEngine(model_dir, args.step_ms / 1000.0, args.max_model_len)
+    server = grpc.aio.server(
+        options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    )
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    write_ready_file(args.ready_file, service="token-engine", host=args.host, port=port, state="serving")
+    logger.info("token engine on %s:%d, one step every %.2f ms", args.host, port, args.step_ms)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    stepper = asyncio.create_task(engine.run())
+    await stop.wait()
+    remove_ready_file(args.ready_file)
+    stepper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await stepper
+    await server.stop(grace=1.0)
+    logger.info("stopped after %d steps", engine.num_steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.token_engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory whose tokenizer files are served (default: demo)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--step-ms", type=float, default=1.0, help="milliseconds between steps (one token per request)")
+    p.add_argument("--max-model-len", type=int, default=1 << 20)
+    p.add_argument("--ready-file", default=None, help="JSON with the port, as the real services write it")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.step_ms <= 0:
+        p.error("--step-ms must be positive")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
