@@ -3,29 +3,84 @@
 tandem serve [--model DIR]     start both services as two processes; Ctrl-C stops both
 tandem try "Once upon a time"  start both on free ports, stream one completion, stop both
 tandem demo-model DIR          write the built-in demo model to DIR
+
+Supervision. Both services run as child processes, each in its own session, so a
+terminal's Ctrl-C reaches only this process, which then stops them in order (frontend,
+then engine: SIGTERM, SIGKILL after a timeout). This process
+
+* notices a child's exit at once, whatever it is waiting for, says which child exited
+  with which code, prints its last log lines, stops the other and exits with status 1;
+* turns SIGINT, SIGTERM and SIGHUP into that orderly stop (``serve`` then exits 0,
+  ``try`` 128 + the signal number);
+* on Linux has the kernel send each child SIGTERM should this process die without
+  cleaning up (even by SIGKILL), so a child is never left running on its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from tandem_common.ready import wait_ready_file
 
+TAIL_LINES = 20  # of a child's log, kept to show when it dies
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PASS_THROUGH = ("--engine-arg", "--frontend-arg")
+
+
+class Stopped(BaseException):
+    """A stop signal arrived (raised from the signal handler, like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class ServiceExited(Exception):
+    def __init__(self, service: Service) -> None:
+        super().__init__(service.name)
+        self.service = service
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel SIGTERM the child when this process dies
+    (Linux's PR_SET_PDEATHSIG); None elsewhere. Resolved here, before any fork: the child
+    only calls into libc."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
 
 class Service:
-    """A child service process whose log lines are echoed; its port and state come from
-    its ``--ready-file`` (tandem_common/ready.py)."""
+    """A child service process whose log lines are echoed (or only kept); its port and
+    state come from its ``--ready-file`` (tandem_common/ready.py)."""
 
     def __init__(self, name: str, argv: list[str], echo: bool) -> None:
         self.name = name
         self.port: int | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._ready_dir = tempfile.TemporaryDirectory(prefix=f"tandem-{name}-")
         self.ready_file = Path(self._ready_dir.name) / "ready.json"
         self.proc = subprocess.Popen(
@@ -35,22 +90,45 @@ class Service:
             text=True,
             bufsize=1,
             start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
+            preexec_fn=_die_with_parent(),
         )
-        self._echo = echo
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.echo = echo
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
 
     def _pump(self) -> None:
+        assert self.proc.stderr is not None
         for line in self.proc.stderr:
-            if self._echo:
+            self.tail.append(line)
+            if self.echo:
                 sys.stderr.write(f"[{self.name}] {line}")
 
-    def wait(self, state: str, timeout: float) -> int:
-        """Wait until the service is ``state`` ("listening" or "serving"); returns its port."""
+    def check(self) -> None:
+        """Raise ServiceExited if the process has exited."""
+        if self.proc.poll() is not None:
+            raise ServiceExited(self)
+
+    def wait(self, state: str, timeout: float | None, check: Callable[[], None]) -> int:
+        """Wait until the service is ``state`` ("listening" or "serving"); returns its port.
+
+        ``check`` runs throughout (it raises when another child died or a signal came)."""
         try:
-            self.port = wait_ready_file(self.ready_file, self.proc, state=state, timeout=timeout)["port"]
-        except (RuntimeError, TimeoutError) as e:
-            raise SystemExit(f"{self.name}: {e}") from None
+            self.port = wait_ready_file(self.ready_file, self.proc, state=state, timeout=timeout, check=check)["port"]
+        except RuntimeError:
+            raise ServiceExited(self) from None
+        except TimeoutError as e:
+            raise SystemExit(f"tandem: the {self.name}: {e}") from None
         return self.port
+
+    def report(self) -> str:
+        """Why it ended, with its last log lines unless they were echoed already."""
+        self._pump_thread.join(timeout=2)  # the last lines of a process that just exited
+        code = self.proc.returncode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        text = f"tandem: the {self.name} {how}"
+        if self.tail and not self.echo:
+            text += "; its last log lines:\n" + "".join(f"  [{self.name}] {line}" for line in self.tail)
+        return text.rstrip("\n")
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
@@ -63,46 +141,124 @@ class Service:
         self._ready_dir.cleanup()
 
 
-def _start_pair(args, engine_port: int, frontend_port: int, echo: bool) -> tuple[Service, Service]:
-    engine_argv = [
-        sys.executable,
-        "-m",
-        "engine_svc",
-        "--host",
-        args.host,
-        "--port",
-        str(engine_port),
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-    ]
-    if args.model:
-        engine_argv += ["--model", args.model]
-    engine = Service("engine", engine_argv + list(args.engine_arg), echo)
+class Pair:
+    """The engine and the frontend, started in order and watched together."""
+
+    def __init__(self, args, engine_port: int, frontend_port: int, echo: bool) -> None:
+        self.args = args
+        self.engine_port, self.frontend_port = engine_port, frontend_port
+        self.echo = echo
+        self.engine: Service | None = None
+        self.frontend: Service | None = None
+
+    def check(self) -> None:
+        """Raise ServiceExited if either child has exited."""
+        for service in (self.engine, self.frontend):
+            if service is not None:
+                service.check()
+
+    def start(self) -> None:
+        args = self.args
+        engine_argv = [
+            sys.executable,
+            "-m",
+            "engine_svc",
+            "--host",
+            args.host,
+            "--port",
+            str(self.engine_port),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+        ]
+        if args.model:
+            engine_argv += ["--model", args.model]
+        self.engine = Service("engine", engine_argv + _split(args.engine_arg), self.echo)
+        port = self.engine.wait("listening", 120, self.check)
+        frontend_argv = [
+            sys.executable,
+            "-m",
+            "frontend_svc",
+            "--host",
+            args.host,
+            "--port",
+            str(self.frontend_port),
+            "--engine",
+            f"{args.host}:{port}",
+        ]
+        self.frontend = Service("frontend", frontend_argv + _split(args.frontend_arg), self.echo)
+        self.frontend.wait("listening", 120, self.check)
+
+    def wait_serving(self) -> None:
+        """Until the frontend serves (the engine has loaded its model): no time limit, as
+        loading a large model takes long, but never past either child's death."""
+        assert self.frontend is not None
+        self.frontend.wait("serving", None, self.check)
+
+    def stop(self) -> None:
+        for service in (self.frontend, self.engine):
+            if service is not None:
+                service.stop()
+
+
+class _Signals:
+    """Turns the first stop signal into ``Stopped`` in the main thread; later ones (while
+    the children are being stopped) are ignored, so the cleanup is never cut short."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise Stopped(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(args, engine_port: int, frontend_port: int, echo: bool, body: Callable[[Pair], int]) -> int:
+    """Run ``body`` with the pair started; whatever happens, stop both children."""
+    signals = _Signals()
+    pair = Pair(args, engine_port, frontend_port, echo)
     try:
-        port = engine.wait("listening", 120)
-        frontend = Service(
-            "frontend",
-            [
-                sys.executable,
-                "-m",
-                "frontend_svc",
-                "--host",
-                args.host,
-                "--port",
-                str(frontend_port),
-                "--engine",
-                f"{args.host}:{port}",
-                *args.frontend_arg,
-            ],
-            echo,
-        )
-        frontend.wait("listening", 120)
-    except BaseException:
-        engine.stop()
-        raise
-    return engine, frontend
+        pair.start()
+        return body(pair)
+    except Stopped as e:
+        signals.stopping = True
+        print(f"\ntandem: {signal.Signals(e.signum).name} received; stopping both services", file=sys.stderr)
+        return 0 if args.command == "serve" else 128 + e.signum
+    except ServiceExited as e:
+        signals.stopping = True
+        print(e.service.report(), file=sys.stderr)
+        return 1
+    finally:
+        signals.stopping = True
+        pair.stop()
+        signals.restore()
+
+
+def _split(values: list[str]) -> list[str]:
+    """``--engine-arg`` values, each possibly several words ("--max-num-seqs 4")."""
+    return [word for value in values for word in shlex.split(value)]
+
+
+def _join_pass_through(argv: list[str]) -> list[str]:
+    """``--engine-arg --max-num-seqs=4`` as ``--engine-arg=--max-num-seqs=4``: argparse
+    would otherwise read the value, which starts with '-', as an option of its own."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in PASS_THROUGH and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _stream_completion(address: str, prompt: str, max_tokens: int) -> None:
@@ -128,36 +284,42 @@ def _stream_completion(address: str, prompt: str, max_tokens: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    engine, frontend = _start_pair(args, args.engine_port, args.port, echo=True)
-    address = f"{args.host}:{frontend.port}"
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        frontend.wait("serving", 300)
-        print(f"Tandem is serving on {address} (engine on {args.host}:{engine.port}); Ctrl-C stops both.", flush=True)
+    def body(pair: Pair) -> int:
+        assert pair.engine is not None and pair.frontend is not None
+        pair.wait_serving()
+        address = f"{args.host}:{pair.frontend.port}"
+        print(
+            f"Tandem is serving on {address} (engine on {args.host}:{pair.engine.port}); Ctrl-C stops both.",
+            flush=True,
+        )
         print(
             f'Try: grpcurl -plaintext -d \'{{"text": "Hello"}}\' {address} tandem.generate.v1.GenerateService/Generate',
             flush=True,
         )
-        while not stop.is_set() and engine.proc.poll() is None and frontend.proc.poll() is None:
-            stop.wait(0.5)
-    finally:
-        frontend.stop()
-        engine.stop()
-    return 0
+        while True:  # until a signal (Stopped) or a child's exit (ServiceExited)
+            pair.check()
+            time.sleep(0.2)
+
+    return _supervise(args, args.engine_port, args.port, True, body)
 
 
 def cmd_try(args) -> int:
-    engine, frontend = _start_pair(args, 0, 0, echo=args.verbose)
-    try:
-        address = f"{args.host}:{frontend.port}"
-        frontend.wait("serving", 300)
-        _stream_completion(address, args.prompt, args.max_tokens)
-    finally:
-        frontend.stop()
-        engine.stop()
-    return 0
+    def body(pair: Pair) -> int:
+        import grpc
+
+        assert pair.frontend is not None
+        if not args.verbose:
+            print("tandem: starting the engine and the frontend ...", file=sys.stderr, flush=True)
+        pair.wait_serving()
+        try:
+            _stream_completion(f"{args.host}:{pair.frontend.port}", args.prompt, args.max_tokens)
+        except grpc.RpcError as e:
+            pair.check()  # a child that died explains the error better
+            print(f"\ntandem: the call failed: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        return 0
+
+    return _supervise(args, 0, 0, args.verbose, body)
 
 
 def cmd_demo_model(args) -> int:
@@ -187,14 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
             action="append",
             default=[],
             metavar="ARG",
-            help="extra tandem-engine argument (repeatable), e.g. --engine-arg=--max-num-seqs=64",
+            help="extra tandem-engine arguments (repeatable): --engine-arg --max-num-seqs=64, or "
+            "several in one quoted value: --engine-arg '--max-num-seqs 64 --block-size 32'",
         )
         sp.add_argument(
             "--frontend-arg",
             action="append",
             default=[],
             metavar="ARG",
-            help="extra tandem-frontend argument (repeatable)",
+            help="extra tandem-frontend arguments, as for --engine-arg",
         )
 
     serve = sub.add_parser("serve", help="start the engine and the frontend; Ctrl-C stops both")
@@ -218,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_pass_through(sys.argv[1:] if argv is None else list(argv)))
     return args.func(args)
 
 

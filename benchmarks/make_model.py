@@ -1,11 +1,13 @@
 """Write the benchmark model: a random-weight Llama with SmolLM-135M shapes, vocab 8192.
 
-    python -m benchmarks.make_model DIR [--dtype float32]
+    python -m benchmarks.make_model DIR [--vocab-size N]
 
 Shapes: hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV heads, tied embeddings.
-A byte-level BPE tokenizer of exactly 8192 ids (``<unk>``, ``<s>``, ``</s>`` first, trained
-on the demo corpus, padded with unused tokens) is written beside the weights, so the
-frontend can serve the model too.
+A byte-level BPE tokenizer of exactly ``N`` ids (``<unk>``, ``<s>``, ``</s>`` first) is
+written beside the weights, so the frontend can serve the model too. At 8192 it is trained
+on the demo corpus and padded with unused tokens; above, on text generated in code
+(``benchmarks/corpus.py``, ~1 MB per 2k ids), so that a 32k or 128k vocabulary is made of
+real merges, as the token masks of structured output see a real model's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 from pathlib import Path
 
 
-def make_benchmark_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+def make_benchmark_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 8192) -> Path:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -22,7 +24,7 @@ def make_benchmark_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     config = LlamaConfig(
-        vocab_size=8192,
+        vocab_size=vocab_size,
         hidden_size=576,
         intermediate_size=1536,
         num_hidden_layers=30,
@@ -50,6 +52,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.trainers import BpeTrainer
 
+    from benchmarks.corpus import lines
     from engine_svc.demo_model import _CORPUS_PATH
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -61,7 +64,10 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS_PATH.read_text(encoding="utf-8").splitlines(), trainer=trainer)
+    text = _CORPUS_PATH.read_text(encoding="utf-8").splitlines()
+    if vocab_size > 8192:
+        text += lines(vocab_size * 500)
+    tokenizer.train_from_iterator(text, trainer=trainer)
     # The corpus is too small for 8192 merges: fill the rest so every model id decodes.
     missing = vocab_size - tokenizer.get_vocab_size()
     tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(missing)])
@@ -84,8 +90,9 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir")
+    p.add_argument("--vocab-size", type=int, default=8192, help="e.g. 32768 for a large-vocabulary run")
     args = p.parse_args(argv)
-    print(f"benchmark model in {make_benchmark_model(args.dir)}")
+    print(f"benchmark model in {make_benchmark_model(args.dir, vocab_size=args.vocab_size)}")
     return 0
 
 

@@ -4,11 +4,14 @@
         [--rate 1,2,4,inf] [--max-concurrency 64] [--json OUT.json] [--plot OUT.png]
     python -m benchmarks.serve --launch [--model DIR] [--engine-arg=--max-num-seqs=64] \\
         --synthetic --num-requests 32 --prompt-len 32:128 --output-len 16:64 --compare-inprocess
+    python -m benchmarks.serve --launch --engines 2 --compare-routing --multi-prefix \\
+        --rate 5 --arrivals uniform --engine-arg="--num-threads 1 --num-kv-blocks 160"
 
-Each rate runs the whole workload: arrivals are Poisson at that rate (``inf``, the default,
-sends everything at once), at most ``--max-concurrency`` calls are open at a time (a request
-that arrives at the cap waits for a slot; its latencies start when it is sent). Requests
-are greedy with ignore_eos, so each streams exactly its max_tokens; prompts go as token ids.
+Each rate runs the whole workload: arrivals are Poisson at that rate, or evenly spaced
+with ``--arrivals uniform`` (``inf``, the default, sends everything at once), at most
+``--max-concurrency`` calls are open at a time (a request that arrives at the cap waits
+for a slot; its latencies start when it is sent). Requests are greedy with ignore_eos, so
+each streams exactly its max_tokens; prompts go as token ids.
 
 Figures per rate (the JSON holds one entry per rate, the table one column):
 
@@ -18,6 +21,8 @@ Figures per rate (the JSON holds one entry per rate, the table one column):
   counted once per token (so a message of 3 tokens after 30 ms gives three 10 ms samples);
   TPOT: (E2E - TTFT) / (output tokens - 1) per request;
 * errors by gRPC status code;
+* ``prefix_cache_hit_rate``: prompt tokens served from the engines' prefix caches (each
+  call's usage.cached_tokens) over all prompt tokens of the calls that completed;
 * ``frontend_cpu_us_per_token``: CPU time (user + system) the frontend process spent during
   the run divided by the output tokens streamed (needs ``--launch`` or ``--frontend-pid``;
   ``engine_cpu_us_per_token`` likewise with ``--engine-pid``);
@@ -40,7 +45,6 @@ import json
 import math
 import os
 import random
-import shlex
 import sys
 import time
 from collections import Counter
@@ -50,7 +54,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.workloads import fit_context, fit_vocab, load, salted, synthetic
+from benchmarks.workloads import fit_context, fit_vocab, load, multi_prefix, salted, synthetic
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
 SATURATION_FRACTION = 0.8
@@ -68,6 +72,7 @@ class RequestResult:
     ttft: float | None = None
     done: float | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
     itl: list[float] = field(default_factory=list)  # one sample per token after the first message
 
     @property
@@ -103,6 +108,8 @@ async def _generate(stub, request: dict, arrival: float, sent: float, timeout: f
                     result.itl.extend([(now - last) / k] * k)
                 last = now
                 result.num_output_tokens += k
+            if response.HasField("usage"):
+                result.num_cached_tokens = response.usage.cached_tokens
         result.done = time.perf_counter()
     except grpc.aio.AioRpcError as e:
         result.code = e.code().name
@@ -118,8 +125,9 @@ async def run_rate(
     seed: int,
     timeout: float,
     progress: bool = True,
+    arrivals: str = "poisson",
 ) -> tuple[list[RequestResult], float]:
-    """Sends the workload with Poisson arrivals at ``rate`` (inf: all at once)."""
+    """Sends the workload at ``rate`` (inf: all at once), Poisson or evenly spaced (``uniform``)."""
     from tqdm import tqdm
 
     rng = random.Random(seed)
@@ -140,7 +148,7 @@ async def run_rate(
     tasks = []
     for i, request in enumerate(workload):
         if i and math.isfinite(rate):
-            due += rng.expovariate(rate)
+            due += rng.expovariate(rate) if arrivals == "poisson" else 1.0 / rate
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
         tasks.append(asyncio.create_task(one(request)))
     results = await asyncio.gather(*tasks)
@@ -170,6 +178,7 @@ def _span_rate(times: list[float]) -> float:
 def summarize(results: list[RequestResult], wall_s: float, rate: float) -> dict:
     ok = [r for r in results if r.code == "OK"]
     num_prompt = sum(r.num_prompt_tokens for r in ok)
+    num_cached = sum(r.num_cached_tokens for r in ok)
     num_output = sum(r.num_output_tokens for r in results)  # everything the frontend streamed
     arrival_rate = _span_rate([r.arrival for r in results]) if math.isfinite(rate) else math.inf
     completion_rate = _span_rate([r.done for r in ok])
@@ -181,6 +190,8 @@ def summarize(results: list[RequestResult], wall_s: float, rate: float) -> dict:
         "wall_s": wall_s,
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_output,
+        "num_cached_tokens": num_cached,
+        "prefix_cache_hit_rate": num_cached / num_prompt if num_prompt else 0.0,
         "req_per_s": len(ok) / wall_s,
         "output_tok_per_s": num_output / wall_s,
         "total_tok_per_s": (num_prompt + num_output) / wall_s,
@@ -211,72 +222,26 @@ def process_cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
-# -- services and the in-process engine --------------------------------------------------------
-
-
-def _engine_flags(args) -> list[str]:
-    return [a for arg in args.engine_arg for a in shlex.split(arg)]
-
-
-@contextlib.contextmanager
-def launched_pair(args):
-    """Starts an engine and a frontend on free local ports (tests/services.py) and stops both."""
-    from engine_svc.demo_model import ensure_demo_model
-    from tests.services import start_engine, start_frontend
-
-    model = args.model or ensure_demo_model()
-    engine = start_engine(model, *_engine_flags(args))
-    frontend = None
-    try:
-        engine.wait_serving(timeout=600)
-        frontend = start_frontend(engine.address, extra=tuple(a for f in args.frontend_arg for a in shlex.split(f)))
-        frontend.wait_serving(timeout=120)
-        yield engine, frontend
-    finally:
-        if frontend is not None:
-            frontend.terminate()
-        engine.terminate()
-
-
-def run_inprocess(args, workload: list[dict], vocab_size: int) -> dict:
-    """The same workload through EngineCore.generate in this process, all at once."""
-    from engine_svc.config import EngineConfig, build_parser
-    from engine_svc.core import EngineCore
-    from engine_svc.types import SamplingParams
-
-    t0 = time.perf_counter()
-    argv = (["--model", str(args.model)] if args.model else []) + _engine_flags(args)
-    config = EngineConfig.from_args(build_parser().parse_args(argv))
-    if config.num_threads:  # as engine_svc.__main__ does
-        import torch
-
-        torch.set_num_threads(config.num_threads)
-    core = EngineCore(config)
-    core.warmup()
-    # An untimed pass (the pair had its warm-up calls), salted so it leaves nothing cached.
-    warm = salted(workload, vocab_size - 1, vocab_size)
-    core.generate([r["prompt_token_ids"] for r in warm], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    startup_s = time.perf_counter() - t0
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in workload]
-    t0 = time.perf_counter()
-    completions = core.generate([r["prompt_token_ids"] for r in workload], params)
-    wall = time.perf_counter() - t0
-    num_prompt = sum(len(r["prompt_token_ids"]) for r in workload)
-    num_output = sum(len(c.output_token_ids) for c in completions)
-    return {
-        "wall_s": wall,
-        "startup_s": startup_s,
-        "num_output_tokens": num_output,
-        "output_tok_per_s": num_output / wall,
-        "total_tok_per_s": (num_prompt + num_output) / wall,
-    }
-
-
 # -- the run ---------------------------------------------------------------------------------
 
 
 def build_workload(args, info) -> tuple[list[dict], str]:
-    if args.synthetic:
+    if args.multi_prefix:
+        workload = multi_prefix(
+            args.seed,
+            num_prefixes=args.num_prefixes,
+            prefix_len=args.prefix_len,
+            requests_per_prefix=args.requests_per_prefix,
+            suffix_len=args.suffix_len,
+            output_len=args.output_len,
+            vocab_size=info.vocab_size,
+        )
+        name = (
+            f"multi-prefix {args.num_prefixes} prompts x {args.prefix_len} tokens, {args.requests_per_prefix} "
+            f"requests each (+{args.suffix_len[0]}:{args.suffix_len[1]}, output "
+            f"{args.output_len[0]}:{args.output_len[1]}), interleaved, seed={args.seed}"
+        )
+    elif args.synthetic:
         workload = synthetic(
             args.seed,
             num_requests=args.num_requests,
@@ -300,7 +265,8 @@ def build_workload(args, info) -> tuple[list[dict], str]:
     return workload, name
 
 
-async def drive(args, target: str, frontend_pid: int | None, engine_pid: int | None) -> dict:
+async def drive(args, target: str, frontend_pid: int | None, engine_pid: int | None, on_rate=None) -> dict:
+    """Runs every rate against ``target``; ``on_rate(i, "start" | "end")`` brackets each timed run."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         info = await stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
@@ -312,6 +278,8 @@ async def drive(args, target: str, frontend_pid: int | None, engine_pid: int | N
         entries = []
         for i, rate in enumerate(args.rate):
             cpu0 = {pid: process_cpu_s(pid) for pid in (frontend_pid, engine_pid) if pid}
+            if on_rate is not None:
+                on_rate(i, "start")
             # Each rate gets its own salt, so no run is served from blocks an earlier run cached.
             results, wall = await run_rate(
                 stub,
@@ -320,7 +288,10 @@ async def drive(args, target: str, frontend_pid: int | None, engine_pid: int | N
                 max_concurrency=args.max_concurrency,
                 seed=args.seed,
                 timeout=args.timeout,
+                arrivals=args.arrivals,
             )
+            if on_rate is not None:
+                on_rate(i, "end")
             entry = summarize(results, wall, rate)
             for key, pid in (("frontend", frontend_pid), ("engine", engine_pid)):
                 if pid:
@@ -379,6 +350,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", metavar="FILE", help="JSON lines of {prompt_token_ids, max_tokens}")
     src.add_argument("--synthetic", action="store_true", help="random prompt ids within the served vocabulary")
+    src.add_argument(
+        "--multi-prefix",
+        action="store_true",
+        help="requests behind a few system prompts, interleaved (workloads.multi_prefix; see --num-prefixes)",
+    )
+    p.add_argument("--num-prefixes", type=int, default=8, help="--multi-prefix: distinct system prompts (default: 8)")
+    p.add_argument(
+        "--prefix-len", type=int, default=512, help="--multi-prefix: tokens per system prompt (default: 512)"
+    )
+    p.add_argument(
+        "--requests-per-prefix", type=int, default=16, help="--multi-prefix: requests per system prompt (default: 16)"
+    )
+    p.add_argument(
+        "--suffix-len",
+        type=_range,
+        default=(8, 24),
+        metavar="MIN:MAX",
+        help="--multi-prefix: each request's own tokens after its system prompt (default: 8:24)",
+    )
     p.add_argument(
         "--num-requests", type=int, default=0, help="--synthetic: how many; --workload: the first N (default: all)"
     )
@@ -392,9 +382,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--output-len",
         type=_range,
-        default=(16, 128),
+        default=None,
         metavar="MIN:MAX",
-        help="--synthetic max_tokens, uniform (default: 16:128)",
+        help="--synthetic / --multi-prefix max_tokens, uniform (default: 16:128 / 16:32)",
     )
     p.add_argument(
         "--rate",
@@ -402,6 +392,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[math.inf],
         metavar="R[,R2,...]",
         help="requests/s of the Poisson arrivals, one run per rate; inf = all at once (default: inf)",
+    )
+    p.add_argument(
+        "--arrivals",
+        choices=["poisson", "uniform"],
+        default="poisson",
+        help="arrival process at a finite rate: Poisson, or evenly spaced at exactly the rate (default: poisson)",
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="most calls open at once (default: no cap)")
     p.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the synthetic workload (default: 0)")
@@ -414,11 +410,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also run the workload on the engine in this process (same --model / --engine-arg)",
     )
+    p.add_argument("--engines", type=int, default=1, help="--launch: engines behind the one frontend (default: 1)")
+    p.add_argument(
+        "--compare-routing",
+        action="store_true",
+        help="--launch: run the workload with --routing least-load, then with --routing prefix, each on "
+        "freshly started engines and frontend, and report hit rate, TTFT, throughput and prediction "
+        "agreement side by side (one rate; see serve_routing.py)",
+    )
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="latency against rate (or CDFs for one rate)")
     args = p.parse_args(argv)
     if args.synthetic and args.num_requests < 1:
         p.error("--synthetic needs --num-requests N")
+    if args.output_len is None:
+        args.output_len = (16, 32) if args.multi_prefix else (16, 128)
+    if args.compare_routing and (not args.launch or args.engines < 2 or len(args.rate) != 1):
+        p.error("--compare-routing needs --launch, --engines 2 or more and exactly one --rate")
+    if args.engines > 1 and not args.launch:
+        p.error("--engines needs --launch")
     return args
 
 
@@ -426,12 +436,21 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.serve_report import format_table, jsonable, plot
 
     args = parse_args(argv)
+    if args.compare_routing:
+        from benchmarks.serve_routing import compare_routing
+
+        return compare_routing(args)
     if args.launch:
-        with launched_pair(args) as (engine, frontend):
-            report = asyncio.run(drive(args, frontend.address, frontend.proc.pid, engine.proc.pid))
+        from benchmarks.serve_launch import launched
+
+        with launched(args) as (engines, frontend):
+            engine_pid = engines[0].proc.pid if len(engines) == 1 else None  # per-engine figure
+            report = asyncio.run(drive(args, frontend.address, frontend.proc.pid, engine_pid))
     else:
         report = asyncio.run(drive(args, args.target, args.frontend_pid, args.engine_pid))
     if args.compare_inprocess:  # after the pair is stopped, so they do not share the CPUs
+        from benchmarks.serve_launch import run_inprocess
+
         report["inprocess"] = run_inprocess(args, report["_workload"], report["_vocab_size"])
         for entry in report["results"]:
             entry["pair_over_inprocess"] = entry["output_tok_per_s"] / report["inprocess"]["output_tok_per_s"]

@@ -9,7 +9,9 @@ requests that would not fit a model's context, and ``salted`` makes repeated run
 workload miss the prefix cache the earlier runs filled.
 
 The files hold ``standard``, ``shared_prefix`` and ``chat``; ``synthetic`` draws a
-workload of any size and shape on the fly (``benchmarks.serve --synthetic``).
+workload of any size and shape on the fly (``benchmarks.serve --synthetic``), and
+``multi_prefix`` one of many requests behind a few system prompts
+(``benchmarks.serve --multi-prefix``, for prefix-aware routing).
 """
 
 from __future__ import annotations
@@ -78,6 +80,34 @@ def synthetic(
         }
         for _ in range(num_requests)
     ]
+
+
+def multi_prefix(
+    seed: int = 3,
+    *,
+    num_prefixes: int = 8,
+    prefix_len: int = 512,
+    requests_per_prefix: int = 16,
+    suffix_len: tuple[int, int] = (8, 24),
+    output_len: tuple[int, int] = (16, 32),
+    vocab_size: int = 8192,
+) -> list[dict]:
+    """``num_prefixes`` distinct system prompts of ``prefix_len`` ids, each followed by
+    ``requests_per_prefix`` requests with their own suffixes, interleaved in rounds: each
+    round has one request of every prompt, in a seeded random order (a fixed cycle would
+    let least-load routing alternate in step with it and keep prompts on engines by
+    chance). The list order is the arrival order; each request carries ``"prefix"``, its
+    system prompt's number."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    requests = []
+    for _ in range(requests_per_prefix):
+        for p in rng.sample(range(num_prefixes), num_prefixes):
+            suffix = [rng.randrange(vocab_size) for _ in range(rng.randint(*suffix_len))]
+            requests.append(
+                {"prompt_token_ids": prefixes[p] + suffix, "max_tokens": rng.randint(*output_len), "prefix": p}
+            )
+    return requests
 
 
 def fit_vocab(requests: list[dict], vocab_size: int) -> tuple[list[dict], int]:

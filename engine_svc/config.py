@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from tandem_common.flags import LOG_LEVELS, HelpFormatter, int_in, message_bytes, metrics_port, port, seconds
+
 
 @dataclass
 class EngineConfig:
@@ -24,8 +26,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_waiting: int = 1024
     max_message_bytes: int = 16 * 1024 * 1024
+    stream_backlog_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: float = 30.0
     metrics_port: int = 0
+    metrics_host: str | None = None  # None: the same address as --host
     ready_file: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
@@ -36,13 +40,20 @@ class EngineConfig:
     num_threads: int | None = None
     kernels: str = "auto"
     seed: int = 0
+    structured_output: bool = True
+    structured_output_timeout_s: float = 10.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB when neither --num-kv-blocks nor --kv-cache-bytes is given
+# Bounds of the flags that have one besides "positive". A context must hold a one-token
+# prompt and one generated token; a block of more than 1024 tokens wastes most of the
+# last block of every request.
+MIN_MAX_MODEL_LEN = 2
+MAX_BLOCK_SIZE = 1024
+MIN_STREAM_BACKLOG_BYTES = 64 << 10
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem-engine",
         description="Tandem engine: scheduler, paged KV cache, model and sampler behind one "
         "bidirectional gRPC stream (tandem.engine.v1.EngineService).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     m = p.add_argument_group("model")
     m.add_argument(
@@ -71,11 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--max-model-len",
-        type=int,
+        type=int_in(MIN_MAX_MODEL_LEN),
         default=None,
-        help="context length cap (default: the model's max_position_embeddings)",
+        help="context length cap, prompt plus output (default: the model's max_position_embeddings; "
+        "a larger value is lowered to it, with a warning)",
     )
-    m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    m.add_argument("--num-threads", type=int_in(1), default=None, help="torch CPU threads (default: torch's choice)")
     m.add_argument(
         "--kernels",
         default=d.kernels,
@@ -84,24 +96,49 @@ def build_parser() -> argparse.ArgumentParser:
         "attention runs a native kernel compiled on first use (needs a C compiler); "
         "torch: plain torch ops everywhere (the reference path)",
     )
-    m.add_argument("--seed", type=int, default=d.seed, help="seed of the sampler's shared generator")
+    m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
+
+    g = p.add_argument_group("structured output (docs/structured_output.md)")
+    g.add_argument(
+        "--structured-output",
+        action=argparse.BooleanOptionalAction,
+        default=d.structured_output,
+        help="serve output constraints (JSON schema, regex, choice, grammar); needs the model's "
+        "tokenizer.json, read at start-up (seconds for a 128k vocabulary). Off: constrained "
+        "requests get INVALID_ARGUMENT",
+    )
+    g.add_argument(
+        "--structured-output-timeout-s",
+        type=float,
+        default=d.structured_output_timeout_s,
+        help="a request whose grammar is not compiled this many seconds after it arrived fails with "
+        "INVALID_ARGUMENT (the compile goes on and is cached for later requests)",
+    )
 
     s = p.add_argument_group("scheduler and KV cache")
-    s.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    s.add_argument("--max-num-seqs", type=int_in(1), default=d.max_num_seqs, help="most requests running at once")
     s.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=int_in(1),
         default=d.max_num_batched_tokens,
         help="token budget per step, shared by prefill chunks and decodes",
     )
-    s.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    s.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=d.block_size, help="tokens per KV block")
     kv = s.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    kv.add_argument(
+        "--num-kv-blocks",
+        type=int_in(1),
+        default=None,
+        help="KV cache size in blocks (default: sized from the model, see --kv-cache-bytes)",
+    )
     kv.add_argument(
         "--kv-cache-bytes",
-        type=int,
+        type=int_in(1),
         default=None,
-        help=f"KV cache size in bytes (default {DEFAULT_KV_CACHE_BYTES} when no size is given)",
+        help="KV cache size in bytes. Without this or --num-kv-blocks the cache holds "
+        "--max-num-seqs requests of --max-model-len tokens, capped at 40%% of the memory "
+        "available at start (80%% of free GPU memory on CUDA) and at least one full-length "
+        "request; the log says what was chosen",
     )
     s.add_argument(
         "--enable-prefix-caching",
@@ -109,18 +146,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.enable_prefix_caching,
         help="reuse KV blocks of identical prompt prefixes",
     )
-    s.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+    s.add_argument(
+        "--scheduling-policy",
+        default=d.scheduling_policy,
+        choices=["fcfs", "priority"],
+        help="order of admission and preemption. fcfs: by arrival (a request's priority is accepted "
+        "and ignored); priority: by the request's priority, lower first, then by arrival, and "
+        "preemption takes the highest value first",
+    )
     s.add_argument(
         "--max-waiting",
-        type=int,
+        type=int_in(1),
         default=d.max_waiting,
         help="waiting-queue length beyond which new requests get RESOURCE_EXHAUSTED",
     )
 
     n = p.add_argument_group("server")
     n.add_argument("--host", default=d.host, help="address to listen on")
-    n.add_argument("--port", type=int, default=d.port, help="gRPC port (0 picks a free one)")
-    n.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
+    n.add_argument("--port", type=port, default=d.port, help="gRPC port (0 picks a free one)")
+    n.add_argument(
+        "--max-message-bytes",
+        type=message_bytes,
+        default=d.max_message_bytes,
+        help="gRPC message size limit, both ways; Stream responses stay under a quarter of it",
+    )
+    n.add_argument(
+        "--stream-backlog-bytes",
+        type=int_in(MIN_STREAM_BACKLOG_BYTES),
+        default=d.stream_backlog_bytes,
+        help="output a stream's reader may leave unread before the engine pauses that stream's "
+        "requests (they resume once it has read three quarters of it); bounds the engine's "
+        "memory per stream whatever the reader does",
+    )
     n.add_argument(
         "--ready-file",
         default=None,
@@ -130,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=seconds,
         default=d.shutdown_timeout,
         help="seconds running requests may take to finish after SIGTERM",
     )
@@ -139,9 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--tls-ca", default=None, help="CA (PEM) that client certificates must chain to (mutual TLS)")
 
     o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ERROR")
-    o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
+    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
+    o.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address the metrics endpoint listens on (default: the same as --host)",
+    )
+    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
+    o.add_argument(
+        "--log-format", default=d.log_format, choices=["text", "json"], help="text lines, or one JSON object per line"
+    )
     o.add_argument(
         "--otlp-endpoint",
         default=None,

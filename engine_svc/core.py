@@ -1,7 +1,8 @@
 """EngineCore: the step loop, as an in-process API.
 
     add_request() / abort() between steps, then step():
-        scheduler.schedule() -> model_runner.execute() -> scheduler.update_from_output()
+        structured.ready() -> scheduler.schedule() -> model_runner.execute()
+        -> scheduler.update_from_output()
     make_stats() after each turn: the snapshot other threads read
 
 The gRPC service drives it from its own thread (``service/engine_loop.py``); benchmarks
@@ -17,13 +18,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_svc.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from engine_svc.config import EngineConfig
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import EngineOutput, EngineStats, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler
+from engine_svc.structured import StructuredOutputs
 from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,20 +56,18 @@ class EngineCore:
             model_dir = str(ensure_demo_model())
         self.model_dir = Path(model_dir)
         self.model_name = config.served_model_name or self.model_dir.name
-        kv_bytes = config.kv_cache_bytes
-        if config.num_kv_blocks is None and kv_bytes is None:
-            kv_bytes = DEFAULT_KV_CACHE_BYTES
         self.runner = ModelRunner(
             str(self.model_dir),
             device=config.device,
             dtype=config.dtype,
             block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks,
-            kv_cache_bytes=kv_bytes,
+            kv_cache_bytes=config.kv_cache_bytes,  # both None: sized from the model
             max_model_len=config.max_model_len,
             seed=config.seed,
             kernels=config.kernels,
             batch_size_hint=config.max_num_seqs,
+            max_num_seqs=config.max_num_seqs,
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -82,7 +82,17 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
         )
-        self.limits = AdmissionLimits(self.vocab_size, self.max_model_len, config.max_waiting)
+        self.limits = AdmissionLimits(
+            self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
+        )
+        # Constrained requests wait here, outside the scheduler, while their grammar compiles.
+        self.structured = StructuredOutputs.for_model(
+            self.model_dir,
+            self.vocab_size,
+            self.eos_token_ids,
+            enabled=config.structured_output,
+            timeout_s=config.structured_output_timeout_s,
+        )
         self.draining = False  # refuse new requests (UNAVAILABLE); running ones go on
         self._last_step: StepStats | None = None
         self.num_steps = 0
@@ -108,18 +118,36 @@ class EngineCore:
 
     def add_request(self, request: Request) -> EngineOutput | None:
         """Admit ``request`` (``sched/admission.py``) and queue it; if it may not enter,
-        finish it at once and return its error output."""
+        finish it at once and return its error output. A constrained request whose
+        grammar is not compiled yet waits in ``structured`` until step() finds it ready."""
         error = check_admission(
             request,
             self.limits,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + self.structured.num_waiting,
             draining=self.draining,
-            pool_error=self.kv_cache.pool_error(request.num_tokens),
         )
         if error is not None:
             return self.refuse(request, error)
+        if request.sampling_params.structured is not None:
+            grammar = self.structured.submit(request)
+            if grammar is None:
+                return None
+            if isinstance(grammar, RequestError):
+                return self.refuse(request, grammar)
+            request.grammar = grammar
         self.scheduler.add_request(request)
         return None
+
+    def _admit_compiled(self) -> list[EngineOutput]:
+        """Queue the requests whose grammar is ready; refuse those whose compile failed."""
+        refused = []
+        for request, grammar in self.structured.ready():
+            if isinstance(grammar, RequestError):
+                refused.append(self.refuse(request, grammar))
+            else:
+                request.grammar = grammar
+                self.scheduler.add_request(request)
+        return refused
 
     @staticmethod
     def refuse(request: Request, error: RequestError) -> EngineOutput:
@@ -127,23 +155,47 @@ class EngineCore:
         request.finish(FinishReason.ERROR, error=error)
         return request_output(request)
 
-    def abort(self, request_ids: Iterable[str]) -> list[EngineOutput]:
-        return self.scheduler.abort_requests(request_ids)
+    def abort(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> list[EngineOutput]:
+        request_ids = list(request_ids)
+        outputs = self.scheduler.abort_requests(request_ids, reason)
+        for request in self.structured.abort(request_ids):
+            request.finish(reason)
+            outputs.append(request_output(request))
+        return outputs
+
+    def pause(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.pause_requests(request_ids)
+
+    def resume(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.resume_requests(request_ids)
 
     def fail(self, request_ids: Iterable[str], error: RequestError) -> list[EngineOutput]:
-        return self.scheduler.fail_requests(request_ids, error)
+        request_ids = list(request_ids)
+        outputs = self.scheduler.fail_requests(request_ids, error)
+        outputs += [self.refuse(request, error) for request in self.structured.abort(request_ids)]
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured.num_waiting > 0
+
+    def has_work(self) -> bool:
+        """Whether step() would do anything now: requests to run (paused ones cannot), or
+        grammars ready. A loop with none may sleep until ``seconds_to_next_event()`` or a
+        wake-up (``structured.on_ready``)."""
+        return self.scheduler.has_work() or self.structured.has_ready()
+
+    def seconds_to_next_event(self) -> float | None:
+        return self.structured.seconds_to_deadline()
 
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
         t0 = time.perf_counter()
+        outputs = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         # Also when nothing is scheduled: the runner drops the state of requests that ended.
         runner_output = self.runner.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.is_empty:
             self.num_steps += 1
             self._last_step = StepStats(time.perf_counter() - t0, scheduler_output.num_tokens)
@@ -155,14 +207,17 @@ class EngineCore:
         step, self._last_step = self._last_step, None
         return EngineStats(
             num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
+            num_waiting=sched.num_waiting + self.structured.num_waiting,
+            num_paused=sched.num_paused,
+            num_waiting_tokens=sched.num_waiting_tokens,
             num_used_blocks=kv.num_used_blocks,
             kv_cache_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
             num_preemptions=sched.num_preemptions,
-            num_unfinished=len(sched.requests),
+            num_unfinished=len(sched.requests) + self.structured.num_waiting,
             draining=self.draining,
             step=step,
+            structured=self.structured.stats(),
         )
 
     def warmup(self) -> None:
@@ -181,6 +236,8 @@ class EngineCore:
             if error_output is not None:
                 _merge(results[rid], error_output)
         while self.has_unfinished_requests():
+            if not self.has_work():  # only grammars compiling: sleep until one is ready
+                self.structured.wait(self.seconds_to_next_event())
             for out in self.step():
                 _merge(results[out.request_id], out)
         return [results[rid] for rid in ids]

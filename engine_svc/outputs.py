@@ -60,11 +60,15 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Per request id: the sampled token (only for requests with ``needs_sample``),
-    its logprobs when asked, and prompt logprobs for the positions computed this step."""
+    its logprobs when asked, prompt logprobs for the positions computed this step, and
+    errors."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    # Requests the runner could not serve (an output constraint that failed mid-way): the
+    # scheduler finishes them with this error instead of keeping a token.
+    errors: dict[str, RequestError] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,11 +91,34 @@ class EngineOutput:
 
 
 @dataclass(frozen=True)
+class RejectedAdd:
+    """An add refused without becoming a request: its id is in flight on its stream.
+
+    Not an EngineOutput, so it can never finish (or be mistaken for) the live request
+    of the same id.
+    """
+
+    request_id: str
+    error: RequestError
+
+
+@dataclass(frozen=True)
 class StepStats:
     """The figures of one engine step."""
 
     duration_s: float
     num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class StructuredStats:
+    """Structured output since the engine started (``engine_svc/structured.py``)."""
+
+    requests_by_kind: tuple[tuple[str, int], ...] = ()  # constrained requests received, by kind
+    num_cache_hits: int = 0  # requests whose grammar was already compiled
+    num_failed: int = 0  # requests refused because their constraint does not compile
+    num_timeouts: int = 0  # requests refused because their compile took too long
+    compile_durations_s: tuple[float, ...] = ()  # compiles finished since the previous snapshot
 
 
 @dataclass(frozen=True)
@@ -104,7 +131,9 @@ class EngineStats:
     """
 
     num_running: int = 0
-    num_waiting: int = 0
+    num_waiting: int = 0  # queued, including requests whose grammar is being compiled
+    num_paused: int = 0  # held back because their stream's reader lags (not in num_waiting)
+    num_waiting_tokens: int = 0  # tokens of the waiting requests, all still to compute
     num_used_blocks: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
@@ -112,3 +141,4 @@ class EngineStats:
     num_unfinished: int = 0  # requests the engine still owes a final output
     draining: bool = False
     step: StepStats | None = None  # None when the turn ran no step
+    structured: StructuredStats = StructuredStats()

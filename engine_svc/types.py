@@ -60,6 +60,13 @@ class RequestView(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
     @property
+    def grammar(self) -> object | None:
+        """The compiled output constraint (``engine_svc.model.structured.CompiledGrammar``)
+        when ``sampling_params.structured`` is set, else None. Attached before the request
+        is first scheduled; opaque to the scheduler side, which never imports the model."""
+        ...
+
+    @property
     def num_computed_tokens(self) -> int: ...
 
     @property

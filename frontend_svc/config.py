@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from frontend_svc.engine.routing import DEFAULT_LOAD_THRESHOLD_TOKENS
+from tandem_common.flags import LOG_LEVELS, HelpFormatter, float_in, int_in, message_bytes, metrics_port, port, seconds
 
 
 @dataclass
@@ -13,12 +17,21 @@ class FrontendConfig:
     # resolves to, re-resolved every dns_refresh_s seconds).
     engines: list[str] = field(default_factory=list)
     dns_refresh_s: float = 10.0
+    engine_stall_timeout_s: float = 10.0
+    # "least-load" or "prefix"; None: prefix when there can be two or more engines (two
+    # --engine flags or a dns:/// name), least-load with one (nothing to choose from, and
+    # the engine then records no prefix-cache events for this frontend).
+    routing: str | None = None
+    routing_load_threshold: int = DEFAULT_LOAD_THRESHOLD_TOKENS
     host: str = "127.0.0.1"
     port: int = 50050
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     max_message_bytes: int = 16 * 1024 * 1024
     max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
     max_n: int = 16
+    max_concurrent_calls: int = 1024
+    stalled_client_timeout_s: float = 30.0
     stream_interval: int = 1
     shutdown_timeout: float = 30.0
     tls_cert: str | None = None
@@ -29,6 +42,7 @@ class FrontendConfig:
     api_keys: list[str] = field(default_factory=list)
     api_key_file: str | None = None
     metrics_port: int = 0
+    metrics_host: str | None = None  # None: the service's --host
     ready_file: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
@@ -56,12 +70,30 @@ class FrontendConfig:
             problems.append("--stream-interval must be at least 1")
         if self.max_stop_strings < 0:
             problems.append("--max-stop-strings must be >= 0")
-        if self.dns_refresh_s <= 0:
-            problems.append("--dns-refresh-s must be positive")
+        if self.max_stop_string_chars < 1:
+            problems.append("--max-stop-string-chars must be at least 1")
+        if self.max_concurrent_calls < 0:
+            problems.append("--max-concurrent-calls must be >= 0 (0: no limit)")
+        if self.stalled_client_timeout_s < 0:
+            problems.append("--stalled-client-timeout-s must be >= 0 (0: never)")
+        if self.engine_stall_timeout_s <= 0:
+            problems.append("--engine-stall-timeout-s must be positive")
+        if not 0 < self.dns_refresh_s < math.inf:
+            problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
+        if self.routing_load_threshold < 0:
+            problems.append("--routing-load-threshold must be >= 0")
         # A blank key would match an empty bearer token (the file is checked at start-up).
         if any(not key.strip() for key in self.api_keys):
             problems.append("--api-key must not be empty or blank")
         return problems
+
+    @property
+    def routing_policy(self) -> str:
+        """--routing, or its default for these engines."""
+        if self.routing is not None:
+            return self.routing
+        several = len(self.engines) >= 2 or any(e.startswith("dns:") for e in self.engines)
+        return "prefix" if several else "least-load"
 
     @property
     def engine_tls(self) -> bool:
@@ -84,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem-frontend",
         description="Tandem frontend: the public gRPC API (tandem.generate.v1.GenerateService). "
         "Validates, tokenizes, routes each request to an engine and streams text back.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     e = p.add_argument_group("engines")
     e.add_argument(
@@ -98,9 +130,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--dns-refresh-s",
-        type=float,
+        type=float_in(0.0, lo_open=True),
         default=d.dns_refresh_s,
         help="seconds between re-resolutions of dns:/// engine names",
+    )
+    e.add_argument(
+        "--engine-stall-timeout-s",
+        type=float_in(0.0, lo_open=True),
+        default=d.engine_stall_timeout_s,
+        metavar="S",
+        help="an engine that sends nothing and answers no load query for this long is hung: its calls fail "
+        "(those that streamed nothing yet are retried on another engine) and it gets no new ones until it "
+        "answers again",
+    )
+    e.add_argument(
+        "--routing",
+        choices=["least-load", "prefix"],
+        default=None,
+        help="how each request picks an engine. least-load: the engine with the fewest queued and "
+        "running tokens. prefix: the engine that already caches the longest prefix of the prompt "
+        "(engines publish their prefix-cache blocks), unless its load exceeds the least loaded "
+        "engine's by --routing-load-threshold. Default: prefix with two or more --engine or a "
+        "dns:/// name, least-load with a single engine",
+    )
+    e.add_argument(
+        "--routing-load-threshold",
+        type=int_in(0),
+        default=d.routing_load_threshold,
+        metavar="TOKENS",
+        help="--routing prefix: send a request to an engine caching its prefix only while that engine's "
+        "queued and running tokens exceed the least loaded engine's by at most this many; beyond it "
+        "the prefix's requests spill over to less loaded engines. Lower spreads load, higher "
+        "keeps prefixes together; size it to a few steps of an engine's work",
     )
     e.add_argument("--engine-tls-ca", default=None, help="CA (PEM) that engine certificates must chain to; enables TLS")
     e.add_argument("--engine-tls-cert", default=None, help="client certificate (PEM) shown to engines (mutual TLS)")
@@ -117,8 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = p.add_argument_group("server")
     n.add_argument("--host", default=d.host, help="address to listen on")
-    n.add_argument("--port", type=int, default=d.port, help="gRPC port (0 picks a free one)")
-    n.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="gRPC message size limit")
+    n.add_argument("--port", type=port, default=d.port, help="gRPC port (0 picks a free one)")
+    n.add_argument(
+        "--max-message-bytes",
+        type=message_bytes,
+        default=d.max_message_bytes,
+        help="gRPC message size limit, for clients and for the streams to the engines: give the engines the same "
+        "--max-message-bytes (a request that would not fit an engine stream is refused, RESOURCE_EXHAUSTED)",
+    )
     n.add_argument(
         "--ready-file",
         default=None,
@@ -128,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=seconds,
         default=d.shutdown_timeout,
         help="seconds in-flight calls may take to finish after SIGTERM",
     )
@@ -146,7 +213,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = p.add_argument_group("request limits")
     r.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most stop strings per request")
+    r.add_argument(
+        "--max-stop-string-chars",
+        type=int_in(1),
+        default=d.max_stop_string_chars,
+        help="longest stop string, in characters",
+    )
     r.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    r.add_argument(
+        "--max-concurrent-calls",
+        type=int_in(0),
+        default=d.max_concurrent_calls,
+        metavar="N",
+        help="Generate calls in progress at once; more get RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    r.add_argument(
+        "--stalled-client-timeout-s",
+        type=seconds,
+        default=d.stalled_client_timeout_s,
+        metavar="S",
+        help="a Generate call whose client reads nothing for this long while output waits (gRPC's buffers "
+        "for the call are full) is aborted in the engine and ends with RESOURCE_EXHAUSTED (0: never)",
+    )
     r.add_argument(
         "--stream-interval",
         type=int,
@@ -158,8 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING, ERROR")
+    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
+    o.add_argument(
+        "--metrics-host", default=None, help="address the metrics endpoint listens on (default: the same as --host)"
+    )
+    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
     o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
     o.add_argument(
         "--otlp-endpoint",

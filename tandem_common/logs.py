@@ -9,6 +9,22 @@ import time
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
+MAX_PRINTED_CHARS = 128  # of a client-chosen string (a request id) in a log line or span
+
+
+def printable(value: str, limit: int = MAX_PRINTED_CHARS) -> str:
+    """A client-chosen string (a request id ...) made safe for text logs and span attributes.
+
+    Newlines, escape sequences and every other non-printable character are escaped as
+    Python writes them (``\\n``, ``\\x1b``), so a request id cannot forge a log line or
+    colour a terminal; past ``limit`` characters it is cut, with its full length noted.
+    """
+    if len(value) <= limit and value.isprintable():
+        return value
+    cut = value[:limit]
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+    return text if len(value) <= limit else f"{text}...[{len(value)} chars]"
+
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; ``extra={...}`` fields become top-level keys."""

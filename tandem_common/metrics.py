@@ -39,6 +39,6 @@ def new_registry() -> CollectorRegistry:
     return registry
 
 
-def serve_metrics(port: int, registry: CollectorRegistry) -> None:
-    """Serve ``registry`` at http://0.0.0.0:PORT/metrics from a daemon thread."""
-    start_http_server(port, registry=registry)
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> None:
+    """Serve ``registry`` at http://HOST:PORT/metrics from a daemon thread."""
+    start_http_server(port, addr=host, registry=registry)

@@ -18,6 +18,7 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -46,20 +47,29 @@ def read_ready_file(path: str | os.PathLike) -> dict | None:
 
 
 def wait_ready_file(
-    path: str | os.PathLike, proc: subprocess.Popen, *, state: str = "listening", timeout: float = 120.0
+    path: str | os.PathLike,
+    proc: subprocess.Popen,
+    *,
+    state: str = "listening",
+    timeout: float | None = 120.0,
+    check: Callable[[], None] | None = None,
 ) -> dict:
     """Wait until the service behind ``proc`` reports ``state`` (or later) in ``path``.
 
-    Raises RuntimeError at once if the process exits first, TimeoutError after ``timeout``.
+    Raises RuntimeError at once if the process exits first, TimeoutError after ``timeout``
+    (None: no limit). ``check`` runs at every poll and may raise to stop the wait (another
+    process it depends on died, the user pressed Ctrl-C ...).
     """
     wanted = ("listening", "serving").index(state)
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         info = read_ready_file(path)
         if info is not None and ("listening", "serving").index(info["state"]) >= wanted:
             return info
         if proc.poll() is not None:
             raise RuntimeError(f"the process exited with code {proc.returncode} before it was {state}")
-        if time.monotonic() > deadline:
+        if check is not None:
+            check()
+        if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"the process was not {state} within {timeout:.0f} s")
         time.sleep(0.02)

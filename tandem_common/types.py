@@ -26,6 +26,8 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
+    # Never in band: a frontend that cannot serve until its operator acts (no tokenizer).
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
 
 
 @dataclass

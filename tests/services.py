@@ -25,35 +25,48 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServiceProcess:
-    """One service process. Its log is kept in memory (``log()``) for assertions."""
+    """One service process. Its log is kept in memory (``log()``) for assertions, and its
+    standard output too (``stdout()``) when ``capture_stdout`` is set."""
 
-    def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, module: str, args: list[str], *, env: dict[str, str] | None = None, capture_stdout: bool = False
+    ) -> None:
         self.module = module
         self.args = args
         self._port: int | None = None
         self._lines: list[str] = []
+        self._stdout_lines: list[str] = []
         self._ready_dir = tempfile.TemporaryDirectory(prefix="tandem-ready-")
         self.ready_file = Path(self._ready_dir.name) / "ready.json"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--host", "127.0.0.1", "--ready-file", str(self.ready_file), *args],
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
             env=full_env,
             cwd=ROOT,
         )
-        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread = threading.Thread(target=self._pump, args=(self.proc.stderr, self._lines), daemon=True)
         self._pump_thread.start()
+        if capture_stdout:
+            self._stdout_thread = threading.Thread(
+                target=self._pump, args=(self.proc.stdout, self._stdout_lines), daemon=True
+            )
+            self._stdout_thread.start()
 
-    def _pump(self) -> None:
-        for line in self.proc.stderr:
-            self._lines.append(line)
+    @staticmethod
+    def _pump(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
 
     def log(self) -> str:
         return "".join(self._lines)
+
+    def stdout(self) -> str:
+        return "".join(self._stdout_lines)
 
     @property
     def port(self) -> int:
@@ -108,6 +121,8 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._pump_thread.join(timeout=5)
+        if hasattr(self, "_stdout_thread"):
+            self._stdout_thread.join(timeout=5)
         self._ready_dir.cleanup()
         return self.proc.returncode
 
@@ -117,23 +132,24 @@ class ServiceProcess:
             self.proc.wait()
 
 
-def start_engine(model_dir: Path | str, *extra: str, port: int = 0, env=None) -> ServiceProcess:
-    return ServiceProcess("engine_svc", ["--model", str(model_dir), "--port", str(port), *extra], env=env)
+def start_engine(model_dir: Path | str, *extra: str, port: int = 0, env=None, **kw) -> ServiceProcess:
+    return ServiceProcess("engine_svc", ["--model", str(model_dir), "--port", str(port), *extra], env=env, **kw)
 
 
-def start_frontend(*engines: str, extra: tuple[str, ...] = (), port: int = 0, env=None) -> ServiceProcess:
+def start_frontend(*engines: str, extra: tuple[str, ...] = (), port: int = 0, env=None, **kw) -> ServiceProcess:
     args = [a for e in engines for a in ("--engine", e)]
-    return ServiceProcess("frontend_svc", [*args, "--port", str(port), *extra], env=env)
+    return ServiceProcess("frontend_svc", [*args, "--port", str(port), *extra], env=env, **kw)
 
 
 @contextmanager
-def running_pair(model_dir: Path | str, *engine_args: str):
-    """An engine and a frontend connected to it, both SERVING; both stopped on exit."""
-    engine = start_engine(model_dir, *engine_args)
+def running_pair(model_dir: Path | str, *engine_args: str, **kw):
+    """An engine and a frontend connected to it, both SERVING; both stopped on exit.
+    ``kw`` (env, capture_stdout) applies to both."""
+    engine = start_engine(model_dir, *engine_args, **kw)
     frontend = None
     try:
         engine.wait_serving()
-        frontend = start_frontend(engine.address)
+        frontend = start_frontend(engine.address, **kw)
         yield engine, frontend.wait_serving()
     finally:
         if frontend is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -146,6 +147,24 @@ def test_offline_engine_figures(demo_model_dir, tmp_path):
     assert all(figures[k] > 0 for k in ("output_tok_per_s", "total_tok_per_s", "wall_s", "startup_s"))
 
 
+def test_offline_constraint_figures(demo_model_dir, tmp_path):
+    """--constraint runs the workload constrained and unconstrained on the same tokens and
+    times the first token with the compile cold and warm."""
+    workload = synthetic(1, num_requests=3, prompt_len=(8, 16), output_len=(8, 12), vocab_size=2048)
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in workload))
+    out = tmp_path / "offline.json"
+    schema = Path(offline.__file__).parent / "schemas" / "order.json"
+    argv = ["--model", str(demo_model_dir), "--workload", str(path), "--baseline", "none"]
+    argv += ["--kv-cache-bytes", str(16 << 20), "--constraint", f"json_schema:{schema}", "--json", str(out)]
+    assert offline.main(argv) == 0
+    s = json.loads(out.read_text())["engine"]["structured"]
+    assert s["kind"] == "json_schema" and 0 < s["num_output_tokens"] <= sum(r["max_tokens"] for r in workload)
+    assert s["constrained_output_tok_per_s"] > 0 and s["unconstrained_output_tok_per_s"] > 0
+    assert s["compile_ms"] > 0 and s["ttft_ms_cold_cache"] > 0 and s["ttft_ms_warm_cache"] > 0
+    assert _holes(s) == []
+
+
 def test_grpc_floor_counts_every_message_and_stops_its_server():
     figures = grpc_floor.measure(streams=3, messages=4, tick_ms=2)
     assert set(figures) == {"paced", "back_to_back"}
@@ -176,3 +195,68 @@ def test_benchmark_model_tokenizer_covers_every_model_id(tmp_path):
     assert tokenizer.vocab_size == 8192
     assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (1, (2,))
     assert tokenizer.decode([8191, 4000]) != ""
+
+
+def test_multi_prefix_workload_interleaves_every_prompt_in_each_round():
+    from benchmarks.workloads import multi_prefix
+
+    work = multi_prefix(num_prefixes=4, prefix_len=32, requests_per_prefix=3, vocab_size=2048)
+    assert len(work) == 12
+    rounds = [[r["prefix"] for r in work[i : i + 4]] for i in range(0, 12, 4)]
+    assert all(sorted(r) == [0, 1, 2, 3] for r in rounds) and len({tuple(r) for r in rounds}) > 1
+    heads = {r["prefix"]: r["prompt_token_ids"][:32] for r in work}
+    assert all(r["prompt_token_ids"][:32] == heads[r["prefix"]] for r in work)
+    assert len({tuple(h) for h in heads.values()}) == 4
+    assert all(8 <= len(r["prompt_token_ids"]) - 32 <= 24 and 16 <= r["max_tokens"] <= 32 for r in work)
+
+
+MULTI = ["--multi-prefix", "--num-prefixes", "2", "--requests-per-prefix", "3", "--prefix-len", "48"]
+
+
+def test_serve_multi_prefix_at_a_uniform_rate_reports_the_hit_rate(pair, tmp_path):
+    _, frontend = pair
+    out = tmp_path / "multi.json"
+    args = ["--target", frontend.address, *MULTI, "--output-len", "2:3", "--rate", "20", "--arrivals", "uniform"]
+    assert serve.main([*args, "--json", str(out)]) == 0
+    (entry,) = json.loads(out.read_text())["results"]
+    assert entry["num_completed"] == 6
+    # One engine: every prompt's later requests find its first 3 blocks (48 tokens) cached.
+    assert entry["num_cached_tokens"] >= 4 * 32 and 0 < entry["prefix_cache_hit_rate"] < 1
+    # Evenly spaced: 6 arrivals at 20/s span 0.25 s.
+    assert entry["arrival_req_per_s"] == pytest.approx(20, rel=0.2)
+
+
+def test_compare_routing_runs_both_policies_and_reports_them(engine_proc, tmp_path, monkeypatch, capsys):
+    """The comparison's whole path, with the engine cluster replaced by one running engine
+    behind a fresh frontend per policy (launching engines is ``--launch``'s job, tested above)."""
+    import contextlib
+
+    from benchmarks import serve_routing
+    from tests.services import start_frontend
+
+    started = []
+
+    @contextlib.contextmanager
+    def one_engine(args, extra=()):
+        frontend = start_frontend(engine_proc.address, extra=tuple(extra))
+        started.append(extra)
+        try:
+            yield [engine_proc], frontend.wait_serving()
+        finally:
+            frontend.terminate()
+
+    monkeypatch.setattr(serve_routing, "launched", one_engine)
+    out, png = tmp_path / "routing.json", tmp_path / "routing.png"
+    argv = ["--launch", "--engines", "2", "--compare-routing", *MULTI, "--output-len", "2:3", "--rate", "20"]
+    assert serve.main([*argv, "--json", str(out), "--plot", str(png)]) == 0
+    assert [e[:2] for e in started] == [("--routing", "least-load"), ("--routing", "prefix")]
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert runs["least-load"]["routing_decisions"] == {"least_load": 6}
+    assert runs["prefix"]["routing_decisions"] == {"single_engine": 6}  # one engine: nothing to predict
+    assert runs["prefix"]["prediction_agreement"] is None
+    assert set(report["comparison"]) >= {"hit_rate_ratio", "ttft_mean_reduction", "output_throughput_ratio"}
+    assert png.stat().st_size > 10_000
+    assert "prefix over least-load" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one rate, two or more engines, launched
+        serve.parse_args(["--target", "x:1", "--compare-routing", *MULTI])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
+from engine_svc.model.kv_memory import default_num_kv_blocks, zeroed
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
 from engine_svc.model.native import load_decode_attention
 from engine_svc.model.packed_linear import pack_linears, packing_supported
@@ -47,6 +48,7 @@ class ModelRunner:
         seed: int = 0,
         kernels: str = "auto",
         batch_size_hint: int = 64,
+        max_num_seqs: int = 128,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -63,6 +65,12 @@ class ModelRunner:
         args = self.model_args
         self.vocab_size = args.vocab_size
         self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        if max_model_len is not None and max_model_len > args.max_position_embeddings:
+            logger.warning(
+                "--max-model-len %d is beyond the model's max_position_embeddings; using %d",
+                max_model_len,
+                self.max_model_len,
+            )
         args.check_max_model_len(self.max_model_len)
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
 
@@ -72,10 +80,16 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         # K and V, every layer.
         self.bytes_per_block = 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * itemsize
-        if num_kv_blocks is None:
-            if kv_cache_bytes is None:
-                raise ValueError("give num_kv_blocks or kv_cache_bytes to size the KV cache")
+        if num_kv_blocks is None and kv_cache_bytes is not None:
             num_kv_blocks = kv_cache_bytes // self.bytes_per_block
+        elif num_kv_blocks is None:
+            num_kv_blocks = default_num_kv_blocks(
+                bytes_per_block=self.bytes_per_block,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.max_model_len,
+                device=self.device,
+            )
         if num_kv_blocks < 1:
             raise ValueError(
                 f"KV cache holds no block: a block needs {self.bytes_per_block} bytes "
@@ -109,10 +123,10 @@ class ModelRunner:
         args = self.model_args
         # Zeroed, not empty: masked padding reads these slots, and softmax weight 0 times
         # a garbage NaN would still be NaN.
-        cache = torch.zeros(
+        cache = zeroed(
             (args.num_layers, 2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim),
-            dtype=self.dtype,
-            device=self.device,
+            self.dtype,
+            self.device,
         )
         return [(cache[i, 0], cache[i, 1]) for i in range(args.num_layers)]
 
@@ -137,6 +151,7 @@ class ModelRunner:
             if sample_rows:
                 logits = self._logits(hidden, sample_rows)  # [num_sampled, vocab] float32
                 sampled = self.sampler.sample(logits, sample_requests)
+                output.errors.update(sampled.errors)
                 for request, token_id, logprob in zip(sample_requests, sampled.token_ids, sampled.logprobs):
                     output.sampled_token_ids[request.request_id] = token_id
                     if logprob is not None:
@@ -207,6 +222,7 @@ class _WarmupRequest:
     output_token_ids: Sequence[int] = ()
     eos_token_ids: tuple[int, ...] = ()
     num_prompt_logprobs_done: int = 0
+    grammar: object | None = None
 
     @property
     def all_token_ids(self) -> Sequence[int]:

@@ -1,12 +1,14 @@
 """Turns each request's last-position logits into its next token, vectorised over the batch.
 
-    raw logits ─▶ logit_bias ─▶ min_tokens mask ─▶ penalties ─┬─▶ argmax                 greedy rows
-                                                              └─▶ ÷ temperature ─▶ top-k ─▶ top-p
-                                                                  ─▶ min-p ─▶ exponential race   sampled rows
+    raw logits ─▶ logit_bias ─▶ grammar mask ─▶ min_tokens mask ─▶ penalties ─┬─▶ argmax        greedy rows
+                                                     └─▶ ÷ temperature ─▶ top-k ─▶ top-p
+                                                         ─▶ min-p ─▶ exponential race           sampled rows
     raw logits ─▶ log_softmax ─▶ chosen token's logprob and rank, top alternatives
 
 Per-row parameters become tensors once per call, and a stage that no row uses costs
-nothing (an all-greedy batch without penalties is one argmax). The order and semantics
+nothing (an all-greedy batch without penalties is one argmax). A request's logit_bias
+and the ids min_tokens blocks become tensors once, when the request first comes
+(``_RequestLists``): those lists may hold thousands of ids and are never scanned per step. The order and semantics
 follow vLLM so results can be compared. Parameter tensors travel host -> device without
 waiting, so the only host sync is reading the chosen tokens (and logprobs) back.
 
@@ -18,11 +20,12 @@ written outside inference mode.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine_svc.types import Logprob, RequestView, SamplingParams
+from engine_svc.model.structured import BatchMask, GrammarMasks
+from engine_svc.types import Logprob, RequestError, RequestView, SamplingParams
 
 # Below this temperature a row is sampled greedily, as vLLM does: dividing by a
 # near-zero temperature overflows float32 to inf, and inf - inf in the softmax is NaN.
@@ -34,6 +37,8 @@ _MASK64 = (1 << 64) - 1
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprob | None]  # None where request.sampling_params.logprobs is None
+    # Requests whose output constraint failed this step, by id: their token is not to be kept.
+    errors: dict[str, RequestError] = field(default_factory=dict)
 
 
 class Sampler:
@@ -45,6 +50,8 @@ class Sampler:
         self.generator.seed()
         self._seeded_generators: dict[str, torch.Generator] = {}
         self._token_counts = _TokenCounts(vocab_size, self.device)
+        self._lists = _RequestLists(vocab_size, self.device)
+        self.grammars = GrammarMasks(vocab_size, self.device)  # structured output
 
     # ------------------------------------------------------------------ public API
 
@@ -56,7 +63,8 @@ class Sampler:
         if not requests:
             return SamplerOutput(token_ids=[], logprobs=[])
         raw = logits[:, : self.vocab_size]  # [num_rows, vocab]; padding columns dropped
-        x = self._process_logits(raw, requests)  # [num_rows, vocab]
+        grammar = self.grammars.batch_mask(requests)  # None when no row is constrained
+        x = self._process_logits(raw, requests, grammar)  # [num_rows, vocab]
 
         sampled_rows = [i for i, r in enumerate(requests) if not _is_greedy(r.sampling_params)]
         if not sampled_rows:
@@ -69,7 +77,8 @@ class Sampler:
             token_ids[rows] = self._sample_rows(x[rows], [requests[i] for i in sampled_rows])
 
         logprobs = self._sampled_logprobs(raw, token_ids, requests)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        errors = grammar.errors if grammar is not None else {}
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, errors=errors)
 
     @torch.inference_mode()
     def prompt_logprobs(self, logits: torch.Tensor, target_token_ids: list[int], num_top: int) -> list[Logprob]:
@@ -83,62 +92,68 @@ class Sampler:
         for request_id in request_ids:
             self._seeded_generators.pop(request_id, None)
             self._token_counts.forget(request_id)
+            self._lists.forget(request_id)
+            self.grammars.forget(request_id)
 
     # ------------------------------------------------------------ logits processing
 
     @torch.inference_mode()
-    def _process_logits(self, raw: torch.Tensor, requests: Sequence[RequestView]) -> torch.Tensor:
-        """Bias, min_tokens and penalties; returns ``raw`` itself when no row uses any.
+    def _process_logits(
+        self, raw: torch.Tensor, requests: Sequence[RequestView], grammar: BatchMask | None = None
+    ) -> torch.Tensor:
+        """Bias, the grammar mask, min_tokens and penalties; returns ``raw`` itself when no
+        row uses any.
 
-        ``raw`` is never written: logprobs are reported from it.
+        ``raw`` is never written: logprobs are reported from it. The grammar mask comes
+        after the bias (a bias never brings back a masked token: -inf + bias = -inf) and
+        before every other stage; constrained rows get their min_tokens rule inside it.
         """
         bias = self._logit_bias_entries(requests)
         blocked = self._min_tokens_entries(requests)
         penalised = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
-        if bias is None and blocked is None and not penalised:
+        if bias is None and blocked is None and not penalised and grammar is None:
             return raw
-        x = raw.to(torch.float32, copy=True)  # [num_rows, vocab]
+        x = raw.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [num_rows, vocab]
+        flat = x.view(-1)  # [num_rows * vocab]: entries are addressed as row * vocab + token id
         if bias is not None:
-            rows, cols, values = bias
-            x.index_put_((rows, cols), values, accumulate=True)
+            cells, values = bias
+            flat.index_add_(0, cells, values)
+        if grammar is not None:
+            _apply_grammar(x, grammar, self._tensor)
         if blocked is not None:
-            x[blocked] = float("-inf")
+            flat.index_fill_(0, blocked, float("-inf"))
         if penalised:
             self._apply_penalties(x, requests, penalised)
         return x
 
     def _logit_bias_entries(self, requests: Sequence[RequestView]):
-        rows, cols, values = [], [], []
+        """(flat cells, values) of every row's logit_bias, or None; a cell is row * vocab + token id."""
+        cells, values = [], []
         for i, r in enumerate(requests):
-            for token_id, bias in r.sampling_params.logit_bias.items():
-                if 0 <= token_id < self.vocab_size:
-                    rows.append(i)
-                    cols.append(token_id)
-                    values.append(bias)
-        if not rows:
+            if not r.sampling_params.logit_bias:
+                continue
+            entry = self._lists.get(r)
+            if entry.bias_cols is not None and entry.bias_values is not None:
+                cells.append(entry.bias_cols + i * self.vocab_size)
+                values.append(entry.bias_values)
+        if not cells:
             return None
-        return self._tensor(rows), self._tensor(cols), self._tensor(values, torch.float32)
+        return torch.cat(cells), torch.cat(values)
 
     def _min_tokens_entries(self, requests: Sequence[RequestView]):
-        """(rows, cols) of EOS and stop tokens that may not be sampled yet.
+        """Flat cells (row * vocab + token id) of EOS and stop tokens that may not be sampled yet, or None.
 
         EOS is left alone under ignore_eos (as in vLLM): it would not stop the request then.
+        Constrained rows are left to the grammar stage, which holds these tokens back only
+        where the grammar allows something else.
         """
-        rows, cols = [], []
+        cells = []
         for i, r in enumerate(requests):
-            params = r.sampling_params
-            if r.num_output_tokens >= params.min_tokens:
-                continue
-            stops = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                stops += r.eos_token_ids
-            for token_id in stops:
-                if 0 <= token_id < self.vocab_size:
-                    rows.append(i)
-                    cols.append(token_id)
-        if not rows:
-            return None
-        return self._tensor(rows), self._tensor(cols)
+            if r.num_output_tokens < r.sampling_params.min_tokens and r.grammar is None:
+                cols = self._lists.get(r).min_tokens_cols
+                if cols is not None:
+                    cells.append(cols + i * self.vocab_size)
+        return torch.cat(cells) if cells else None
 
     def _apply_penalties(self, x: torch.Tensor, requests: Sequence[RequestView], penalised: list[int]) -> None:
         """Repetition (HF: prompt + output tokens), presence and frequency (OpenAI: output only)."""
@@ -268,6 +283,52 @@ class Sampler:
         return self._tensor(values, torch.float32).unsqueeze(1)  # [rows, 1]
 
 
+@dataclass
+class _Lists:
+    """One request's id lists as device tensors (None where empty)."""
+
+    owner: RequestView
+    bias_cols: torch.Tensor | None  # [n] long: logit_bias token ids within the vocabulary
+    bias_values: torch.Tensor | None  # [n] float32
+    min_tokens_cols: torch.Tensor | None  # [m] long: stop ids (+ EOS unless ignore_eos), unique
+
+
+class _RequestLists:
+    """Each request's logit_bias and min_tokens ids, turned into tensors once.
+
+    A request may carry thousands of stop token ids and bias entries; building them per
+    step would cost every other request in the batch that much host time per token.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._lists: dict[str, _Lists] = {}
+
+    def get(self, r: RequestView) -> _Lists:
+        entry = self._lists.get(r.request_id)
+        if entry is None or entry.owner is not r:  # new, or the id now names another request
+            entry = self._lists[r.request_id] = self._build(r)
+        return entry
+
+    def forget(self, request_id: str) -> None:
+        self._lists.pop(request_id, None)
+
+    def _build(self, r: RequestView) -> _Lists:
+        params = r.sampling_params
+        bias = {t: b for t, b in params.logit_bias.items() if 0 <= t < self.vocab_size}
+        blocked = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            blocked.update(r.eos_token_ids)
+        blocked_ids = sorted(t for t in blocked if 0 <= t < self.vocab_size)
+        return _Lists(
+            owner=r,
+            bias_cols=_to_device(list(bias), torch.long, self.device) if bias else None,
+            bias_values=_to_device(list(bias.values()), torch.float32, self.device) if bias else None,
+            min_tokens_cols=_to_device(blocked_ids, torch.long, self.device) if blocked_ids else None,
+        )
+
+
 class _TokenCounts:
     """Token statistics the penalties need, kept on the device across steps.
 
@@ -362,6 +423,15 @@ def _truncation_threshold(best: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     keep[:, 0] = True
     threshold = best.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)  # [S, 1]
     return threshold.masked_fill((k >= vocab) & (p >= 1.0), float("-inf"))
+
+
+def _apply_grammar(x: torch.Tensor, grammar: BatchMask, to_tensor) -> None:
+    """Set the logits of tokens the grammar forbids to -inf, in place (``x`` [num_rows, vocab])."""
+    if len(grammar.rows) == x.shape[0]:
+        x.masked_fill_(~grammar.allowed, float("-inf"))
+        return
+    rows = to_tensor(grammar.rows)
+    x[rows] = x[rows].masked_fill(~grammar.allowed, float("-inf"))
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

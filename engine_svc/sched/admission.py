@@ -4,8 +4,15 @@
                                               └▶ RequestError: it finishes at once, in band
 
 In order: the engine is draining (UNAVAILABLE), the request is invalid (INVALID_ARGUMENT,
-naming the field), the waiting queue is full or the KV pool can never hold it
+naming the field), including one the KV pool can never hold, the waiting queue is full
 (RESOURCE_EXHAUSTED). A refused request never touches the KV cache.
+
+The KV rule: a request must be able to hold all its tokens at once, its prompt plus
+max_tokens (up to the context), so the pool must have room for that many. One that could
+not would stream part of its output and then fail, or preempt everything else for
+nothing; it is refused up front instead, with the largest max_tokens that would fit.
+Retrying cannot help (the pool does not grow), hence INVALID_ARGUMENT, like a prompt
+longer than the context.
 """
 
 from __future__ import annotations
@@ -22,16 +29,18 @@ class AdmissionLimits:
     vocab_size: int
     max_model_len: int
     max_waiting: int  # waiting-queue length beyond which new requests are refused
+    kv_capacity_tokens: int  # the whole KV pool: blocks x block size
 
 
 def check_admission(
-    request: Request, limits: AdmissionLimits, *, num_waiting: int, draining: bool, pool_error: str | None
+    request: Request, limits: AdmissionLimits, *, num_waiting: int, draining: bool
 ) -> RequestError | None:
-    """Why ``request`` may not enter now, or None. ``pool_error`` is the KV manager's
-    answer to whether the request's tokens could ever fit the pool."""
+    """Why ``request`` may not enter now, or None."""
     if draining:
         return RequestError(ErrorCode.UNAVAILABLE, "the engine is shutting down; retry on another engine")
     error = check_request(request, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len)
+    if error is None:
+        error = check_kv_capacity(request, limits)
     if error is not None:
         return error
     if num_waiting >= limits.max_waiting:
@@ -39,8 +48,28 @@ def check_admission(
             ErrorCode.RESOURCE_EXHAUSTED,
             f"the engine's waiting queue is full ({limits.max_waiting} requests); retry later",
         )
-    if pool_error is not None:
-        return RequestError(ErrorCode.RESOURCE_EXHAUSTED, pool_error)
+    return None
+
+
+def check_kv_capacity(request: Request, limits: AdmissionLimits) -> RequestError | None:
+    """Whether the KV pool can ever hold the request at its longest (see the module docstring)."""
+    capacity = limits.kv_capacity_tokens
+    num_prompt = request.num_prompt_tokens
+    if num_prompt >= capacity:
+        return _invalid(
+            "prompt_token_ids",
+            f"the prompt has {num_prompt} tokens but this engine's KV cache holds {capacity} tokens in all; "
+            f"shorten the prompt to at most {capacity - 1} tokens",
+        )
+    longest = min(num_prompt + request.sampling_params.max_tokens, limits.max_model_len)
+    if longest > capacity:
+        field = "sampling_params.max_tokens"
+        return _invalid(
+            field,
+            f"{field}: the prompt ({num_prompt} tokens) plus max_tokens ({request.sampling_params.max_tokens}) "
+            f"may reach {longest} tokens but this engine's KV cache holds {capacity} tokens in all; "
+            f"set max_tokens to at most {capacity - num_prompt}",
+        )
     return None
 
 

@@ -27,39 +27,25 @@ takes from the front. A freed block that carries a hash goes to the back and kee
 hash, so it can still be hit until the front reaches it (then it is evicted: the hash is
 dropped and the block reused). A hit on a free block takes it back out of the queue.
 Freed blocks without a hash go to the front: they hold nothing worth keeping.
+
+The hash itself is defined once for both services in ``tandem_common/block_hash.py``; a
+frontend computes the same hashes from a prompt to predict which engine holds it. While a
+stream subscribes to prefix-cache events, ``events`` records every hash registered and
+evicted (``sched/kv_events.py``); otherwise it is None and nothing is recorded.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine_svc.sched.kv_events import KvEventLog
 from engine_svc.sched.request import Request
+from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks
 
 logger = logging.getLogger(__name__)
-
-BlockHash = bytes
-
-
-def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one full block, chained with the hash of the block before it.
-
-    SHA-256 rather than Python's ``hash``: a block hit hands one request the K/V that
-    another request computed, so a collision silently corrupts output (and, on a shared
-    server, could leak one tenant's context into another's). Python's tuple hash is 64-bit
-    and not collision-resistant, so a crafted prompt could aim for another prefix's hash.
-    SHA-256 costs a few microseconds per block (Python's hash about one) and each block is
-    hashed once per request: a few milliseconds for a 32k-token prompt, small next to
-    prefilling it.
-    """
-    data = array("q", token_ids).tobytes()
-    # The parent digest has a fixed length and every block has block_size tokens, so the
-    # concatenation is unambiguous: first blocks (no parent) are shorter than all others.
-    return hashlib.sha256((parent_hash or b"") + data).digest()
 
 
 @dataclass(slots=True)
@@ -88,6 +74,7 @@ class KVCacheManager:
         # Hit-rate counters, in tokens: queried = prompt tokens looked up, hit = served from cache.
         self.num_queries = 0
         self.num_hits = 0
+        self.events: KvEventLog | None = None  # set while a stream subscribes to cache events
 
     # -- figures ----------------------------------------------------------------------
 
@@ -125,6 +112,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now: the snapshot that ``events`` continue."""
+        return list(self._cached)
+
     # -- paired verbs -----------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -134,12 +125,15 @@ class KVCacheManager:
         ``allocate_slots`` before anything else allocates. The hit stops short of the last
         token, so at least one token is computed and there are logits to sample from.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position.
+        if not self.enable_prefix_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        num_blocks = max_hit_blocks(
+            request.num_tokens, self.block_size, prompt_logprobs=request.sampling_params.prompt_logprobs is not None
+        )
+        if num_blocks == 0:
+            return [], 0
         hit: list[int] = []
-        for block_hash in self._hashes(request, max_hit_blocks)[:max_hit_blocks]:
+        for block_hash in self._hashes(request, num_blocks)[:num_blocks]:
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
@@ -201,6 +195,8 @@ class KVCacheManager:
             if block.block_hash is None and hashes[i] not in self._cached:
                 block.block_hash = hashes[i]
                 self._cached[hashes[i]] = block.block_id
+                if self.events is not None:
+                    self.events.stored(hashes[i - 1] if i else None, hashes[i])
         self._num_handled_blocks[request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -230,11 +226,10 @@ class KVCacheManager:
         A request's tokens are only ever appended, so hashes once computed stay valid.
         """
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
-        num_blocks = min(num_blocks, len(tokens) // self.block_size)
-        for i in range(len(hashes), num_blocks):
-            start = i * self.block_size
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + self.block_size]))
+        if num_blocks > len(hashes):
+            start = len(hashes) * self.block_size
+            tokens = request.all_token_ids[start : num_blocks * self.block_size]
+            hashes.extend(hash_blocks(tokens, self.block_size, parent_hash=hashes[-1] if hashes else None))
         return hashes
 
     def _take_ref(self, block_id: int) -> None:
@@ -248,6 +243,8 @@ class KVCacheManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict: the block's old contents are overwritten
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block_id

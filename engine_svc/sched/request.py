@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; num_computed_tokens may be > 0 only through prefix-cache hits
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     PREEMPTED = "preempted"  # blocks were taken back; waits to be recomputed
+    PAUSED = "paused"  # held back (its stream's reader lags); holds no blocks, not scheduled
     FINISHED = "finished"
 
 
@@ -53,6 +54,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.eos_token_ids = eos_token_ids
         self.trace_context = trace_context or {}
+        # The compiled output constraint, set by EngineCore before the request is queued
+        # (engine_svc/structured.py); opaque here.
+        self.grammar: object | None = None
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -105,13 +109,19 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
     Order matters: a stop token wins over a length limit reached by the same token.
     Stop and EOS tokens only count once ``min_tokens`` outputs exist (the sampler also
-    masks them until then).
+    masks them until then). With an output constraint, EOS always ends the request: the
+    sampler lets it through only where the grammar may end, and under min_tokens or
+    ignore_eos only where the grammar allows nothing else.
     """
     params = request.sampling_params
     num_out = request.num_output_tokens
     if num_out == 0:
         return False
     last = request.output_token_ids[-1]
+    if params.structured is not None and last in request.eos_token_ids:
+        request.stop_token_id = last
+        request.finish(FinishReason.STOP)
+        return True
     if num_out >= params.min_tokens:
         if (not params.ignore_eos and last in request.eos_token_ids) or last in request.stop_token_ids:
             request.stop_token_id = last

@@ -10,6 +10,10 @@ its next chunk), then to waiting requests (their first chunk, after prefix-cache
 When KV blocks run out, a running request is preempted by recompute: its blocks go back,
 ``num_computed_tokens`` drops to 0 and it waits at the front of the queue. Its blocks
 usually stay in the prefix cache, so the recompute is mostly hits.
+
+A paused request (``pause_requests``: its client cannot keep up with its output) is
+taken out of both queues the same way, blocks given back, and parked in ``paused``
+until ``resume_requests`` puts it back in the waiting queue; ``schedule()`` never sees it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
 from engine_svc.types import ErrorCode, FinishReason, RequestError
+from tandem_common.logs import printable
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +147,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: FCFSRequestQueue | PriorityRequestQueue = POLICIES[policy]()
         self.running: list[Request] = []  # in admission order; all hold KV blocks
+        self.paused: dict[str, Request] = {}  # held back by pause_requests; no KV blocks
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self.observer: SchedulerObserver | None = None
@@ -162,15 +168,21 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
-        """Abort waiting or running requests; unknown and finished ids are ignored."""
+    def abort_requests(
+        self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT
+    ) -> list[EngineOutput]:
+        """End unfinished requests at once; unknown and finished ids are ignored.
+
+        ``reason`` is what they finish with: ABORT when their client gave up, STOP when
+        it ended them because their text is complete (a stop string matched).
+        """
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
                 continue
             self._remove(request)
-            self._finish(request, FinishReason.ABORT)
+            self._finish(request, reason)
             outputs.append(request_output(request))
         return outputs
 
@@ -184,8 +196,37 @@ class Scheduler:
                 outputs.append(self._finish_with_error(request, error))
         return outputs
 
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """Hold these requests back until ``resume_requests``: a running one gives its KV
+        blocks back as if preempted (so paused requests never starve others of blocks).
+        Unknown, finished and already paused ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status == RequestStatus.PAUSED:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._take_back_blocks(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.PAUSED
+            self.paused[request_id] = request
+
+    def resume_requests(self, request_ids: Iterable[str]) -> None:
+        """Put paused requests back at the front of the waiting queue (their place as
+        preempted requests); ids that are not paused are ignored."""
+        for request_id in request_ids:
+            request = self.paused.pop(request_id, None)
+            if request is not None:
+                request.status = RequestStatus.PREEMPTED
+                self.waiting.add_front(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._pending_outputs)
+
+    def has_work(self) -> bool:
+        """Whether a step could do anything: unfinished requests that are not paused."""
+        return len(self.requests) > len(self.paused) or bool(self._pending_outputs)
 
     @property
     def num_running(self) -> int:
@@ -194,6 +235,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_paused(self) -> int:
+        return len(self.paused)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute (all of them: waiting requests
+        hold no KV blocks). O(waiting), read once per loop turn for the load report."""
+        return sum(r.num_tokens for r in self.waiting)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -277,6 +328,9 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
             request.num_prompt_logprobs_done += len(prompt_logprobs)
             new_token_ids, logprobs = [], []
+            if (error := runner_output.errors.get(request_id)) is not None:
+                outputs.append(self._finish_with_error(request, error))
+                continue
             if needs_sample:
                 token_id = runner_output.sampled_token_ids.get(request_id)
                 if token_id is None:
@@ -303,16 +357,20 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
+        self._take_back_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._finished_ids.add(request.request_id)
         self.waiting.add_front(request)
         if self.observer is not None:
             self.observer.request_preempted(request)
         logger.debug("preempted %s (recompute later); %d preemptions so far", request, self.num_preemptions)
+
+    def _take_back_blocks(self, request: Request) -> None:
+        """Free a running request's blocks; it will be recomputed from its first token."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        self._finished_ids.add(request.request_id)  # the runner drops its per-request state
 
     def _too_big_for_pool(self, request: Request) -> str | None:
         """Why ``request`` can never run, or None: it outgrew the pool while it ran or waited."""
@@ -325,7 +383,12 @@ class Scheduler:
 
     def _finish_with_error(self, request: Request, error: RequestError) -> EngineOutput:
         """Finish ``request`` with an in-band error; the caller takes it out of the queues."""
-        logger.warning("request %s failed: %s", request.request_id, error.message)
+        logger.warning(
+            "request %s (client id %s) failed: %s",
+            request.request_id,
+            printable(request.client_request_id),
+            error.message,
+        )
         request.finish(FinishReason.ERROR, error=error)
         self._finish(request, FinishReason.ERROR)
         return request_output(request)
@@ -334,6 +397,8 @@ class Scheduler:
         """Take an unfinished request out of ``running`` or ``waiting``."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.PAUSED:
+            del self.paused[request.request_id]
         else:
             self.waiting.remove(request)
 

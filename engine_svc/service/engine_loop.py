@@ -6,9 +6,14 @@
 
 Streams talk to it through a queue of small frozen commands; it hands each stream's
 outputs back through the stream's ``sink`` callback, once per turn. A sink must not
-block: the servicer's sink only schedules a put on its asyncio queue, so a slow or
-stalled reader on one stream never stalls the engine or the other streams. Other threads
-read the engine's state only from ``stats``, the snapshot published after every turn.
+block: the servicer's sink only appends to its stream's bounded backlog, so a slow or
+stalled reader on one stream never stalls the engine or the other streams. A sink that
+returns True says its reader lags too far behind: the engine pauses that stream's
+requests (``Scheduler.pause_requests``) until the stream asks to resume. Streams that
+subscribed get the turn's prefix-cache events through their ``kv_sink`` before their
+outputs (a snapshot when they subscribe; recorded only while some stream is subscribed).
+Other threads read the engine's state only from ``stats``, the snapshot published after
+every turn.
 
 Request ids are unique per stream, not per engine: inside the engine a request gets an
 engine-wide id, and ``_owners`` maps it back to (stream, client request id).
@@ -32,15 +37,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_svc.core import EngineCore
-from engine_svc.outputs import EngineOutput, EngineStats
+from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
+from engine_svc.sched.kv_events import KvEventLog, snapshot_events, split_events
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
-from engine_svc.types import ErrorCode, RequestError, SamplingParams
+from engine_svc.types import ErrorCode, FinishReason, RequestError, SamplingParams
+from tandem_common.kv_events import KvEvent
+from tandem_common.logs import printable
 
 logger = logging.getLogger(__name__)
 
 # A sink receives (outputs, stats) per turn, or (None, stats) once the stream is done:
-# it was half-closed by its client and its last request finished.
-Sink = Callable[[list[EngineOutput] | None, EngineStats], None]
+# it was half-closed by its client and its last request finished. Outputs are in step
+# order; refused duplicate adds come as RejectedAdd. It returns True to ask for a pause
+# (its reader lags beyond its bound), anything else to go on.
+Sink = Callable[[list[EngineOutput | RejectedAdd] | None, EngineStats], bool | None]
+# A KV sink receives batches of prefix-cache events, each of at most the hashes it asked for.
+KvSink = Callable[[list[KvEvent], EngineStats], None]
 
 
 # -- commands: what other threads ask of the engine thread ----------------------------
@@ -74,6 +86,14 @@ class Add:
 class Abort:
     stream_id: int
     request_ids: tuple[str, ...]
+    reason: FinishReason = FinishReason.ABORT  # STOP when the client found a stop string
+
+
+@dataclass(frozen=True)
+class ResumeStream:
+    """The stream's reader caught up: its paused requests may run again."""
+
+    stream_id: int
 
 
 @dataclass(frozen=True)
@@ -84,10 +104,24 @@ class HalfClose:
 
 
 @dataclass(frozen=True)
+class HalfCloseAll:
+    """Shutdown: every stream ends once its requests have finished."""
+
+
+@dataclass(frozen=True)
 class CloseStream:
     """The stream ended: abort everything it added and forget it."""
 
     stream_id: int
+
+
+@dataclass(frozen=True)
+class SubscribeKvEvents:
+    """Send the stream a snapshot of the prefix cache, then every turn's cache events."""
+
+    stream_id: int
+    sink: KvSink
+    max_hashes: int  # per batch, so that each fits one stream message
 
 
 @dataclass(frozen=True)
@@ -102,7 +136,18 @@ class FailAll:
     error: RequestError
 
 
-Command = OpenStream | Add | Abort | HalfClose | CloseStream | StartDraining | FailAll
+Command = (
+    OpenStream
+    | Add
+    | Abort
+    | ResumeStream
+    | HalfClose
+    | HalfCloseAll
+    | CloseStream
+    | SubscribeKvEvents
+    | StartDraining
+    | FailAll
+)
 
 
 @dataclass
@@ -110,6 +155,9 @@ class _Stream:
     sink: Sink
     live: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id, until finished
     half_closed: bool = False
+    paused: bool = False  # its sink asked for a pause: its requests (and new adds) are held back
+    kv_sink: KvSink | None = None
+    kv_max_hashes: int = 0
 
 
 class EngineLoop:
@@ -127,6 +175,7 @@ class EngineLoop:
         self._engine_ids = itertools.count()
         self._streams: dict[int, _Stream] = {}
         self._owners: dict[str, tuple[int, str]] = {}  # engine request id -> (stream, client id)
+        self._rejected: list[tuple[int, RejectedAdd]] = []  # this turn's refused duplicate adds
         self._running = False
         self._thread: threading.Thread | None = None
 
@@ -186,14 +235,24 @@ class EngineLoop:
     def add(self, stream_id: int, command: AddCommand) -> None:
         self._push(Add(stream_id, command))
 
-    def abort(self, stream_id: int, request_ids: list[str]) -> None:
-        self._push(Abort(stream_id, tuple(request_ids)))
+    def abort(self, stream_id: int, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
+        self._push(Abort(stream_id, tuple(request_ids), reason))
+
+    def resume_stream(self, stream_id: int) -> None:
+        """Let a paused stream's requests run again (a no-op if it is not paused)."""
+        self._push(ResumeStream(stream_id))
 
     def half_close(self, stream_id: int) -> None:
         self._push(HalfClose(stream_id))
 
+    def half_close_all(self) -> None:
+        self._push(HalfCloseAll())
+
     def close_stream(self, stream_id: int) -> None:
         self._push(CloseStream(stream_id))
+
+    def subscribe_kv_events(self, stream_id: int, sink: KvSink, max_hashes: int) -> None:
+        self._push(SubscribeKvEvents(stream_id, sink, max_hashes))
 
     def start_draining(self) -> None:
         self._push(StartDraining())
@@ -214,13 +273,21 @@ class EngineLoop:
 
     # -- the engine thread ----------------------------------------------------------------
 
+    def _wake(self) -> None:
+        """Called from a grammar-compile thread: a waiting request may be ready."""
+        with self._cond:
+            self._cond.notify()
+
     def _run(self) -> None:
         assert self.core is not None
         core = self.core
+        core.structured.on_ready = self._wake
         while True:
             with self._cond:
-                while self._running and not self._commands and not core.has_unfinished_requests():
-                    self._cond.wait()
+                # Requests whose grammar compiles are not work yet: sleep until a compile
+                # wakes us (``_wake``) or the first of them times out.
+                while self._running and not self._commands and not core.has_work():
+                    self._cond.wait(core.seconds_to_next_event())
                 if not self._running:
                     return
                 commands, self._commands = self._commands, []
@@ -229,7 +296,7 @@ class EngineLoop:
             for command in commands:
                 outputs.extend(self._apply(command))
             step_outputs: list[EngineOutput] = []
-            if core.has_unfinished_requests():
+            if core.has_work():
                 try:
                     step_outputs = core.step()
                 except Exception:  # a model fault must not leave requests hanging forever
@@ -239,14 +306,22 @@ class EngineLoop:
                 outputs.extend(step_outputs)
                 if self.events is not None:
                     self.events.after_step()
-            stats = core.make_stats()
-            with self._cond:
-                self.stats = stats
-                self._num_adds_applying = 0
-            if self.on_stats is not None:
-                self.on_stats(stats, step_outputs)
-            if outputs:
-                self._dispatch(outputs, stats)
+            stats = self._publish_stats(step_outputs)
+            if core.kv_cache.events is not None:  # before the outputs: blocks first, then who made them
+                self._publish_kv_events(core.kv_cache.events.take(), stats)
+            if (outputs or self._rejected) and self._dispatch(outputs, stats):
+                self._publish_stats([])  # a stream was paused: its requests moved
+
+    def _publish_stats(self, step_outputs: list[EngineOutput]) -> EngineStats:
+        """A fresh snapshot for other threads and ``on_stats``: after every turn, whatever it did."""
+        assert self.core is not None
+        stats = self.core.make_stats()
+        with self._cond:
+            self.stats = stats
+            self._num_adds_applying = 0
+        if self.on_stats is not None:
+            self.on_stats(stats, step_outputs)
+        return stats
 
     def _apply(self, command: Command) -> list[EngineOutput]:
         core = self.core
@@ -260,13 +335,26 @@ class EngineLoop:
                 return core.fail(list(self._owners), error)
             case Add(stream_id, cmd) if (stream := self._streams.get(stream_id)) is not None:
                 return self._add(stream_id, stream, cmd)
-            case Abort(stream_id, request_ids) if (stream := self._streams.get(stream_id)) is not None:
-                return core.abort([stream.live[r] for r in request_ids if r in stream.live])
+            case Abort(stream_id, request_ids, reason) if (stream := self._streams.get(stream_id)) is not None:
+                return core.abort([stream.live[r] for r in request_ids if r in stream.live], reason)
+            case ResumeStream(stream_id) if (stream := self._streams.get(stream_id)) is not None and stream.paused:
+                stream.paused = False
+                core.resume(stream.live.values())
+                logger.info("stream %d caught up: %d requests resume", stream_id, len(stream.live))
             case HalfClose(stream_id) if (stream := self._streams.get(stream_id)) is not None:
-                stream.half_closed = True
-                if not stream.live:
-                    stream.sink(None, self.stats)
+                self._half_close(stream)
+            case HalfCloseAll():
+                for stream in self._streams.values():
+                    self._half_close(stream)
+            case SubscribeKvEvents(stream_id, sink, max_hashes) if (stream := self._streams.get(stream_id)) is not None:
+                if core.kv_cache.events is None:
+                    core.kv_cache.events = KvEventLog()
+                stream.kv_sink, stream.kv_max_hashes = sink, max_hashes
+                for batch in snapshot_events(core.kv_cache.cached_hashes(), max_hashes):
+                    sink(batch, self.stats)
             case CloseStream(stream_id) if (stream := self._streams.pop(stream_id, None)) is not None:
+                if stream.kv_sink is not None and not any(s.kv_sink for s in self._streams.values()):
+                    core.kv_cache.events = None  # nobody listens: record nothing
                 aborted = core.abort(list(stream.live.values()))
                 for out in aborted:
                     self._owners.pop(out.request_id, None)
@@ -274,9 +362,27 @@ class EngineLoop:
                         self.events.finished(out)
         return []
 
+    def _half_close(self, stream: _Stream) -> None:
+        """No more commands count for ``stream``; it ends now if nothing is live, else
+        after the last live request's final output (``_dispatch``)."""
+        if not stream.half_closed:
+            stream.half_closed = True
+            if not stream.live:
+                stream.sink(None, self.stats)
+
     def _add(self, stream_id: int, stream: _Stream, cmd: AddCommand) -> list[EngineOutput]:
         core = self.core
         assert core is not None
+        if cmd.request_id in stream.live:
+            # Refused without becoming a request, so the live request of that id still
+            # finishes exactly once.
+            error = RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"request_id '{printable(cmd.request_id)}' is already in flight on this stream; use a unique id",
+                "request_id",
+            )
+            self._rejected.append((stream_id, RejectedAdd(cmd.request_id, error)))
+            return []
         engine_id = f"{stream_id}/{next(self._engine_ids)}"
         request = core.make_request(
             engine_id,
@@ -287,26 +393,32 @@ class EngineLoop:
             trace_context=cmd.trace_context,
             client_request_id=cmd.request_id,
         )
-        if cmd.request_id in stream.live:
-            error = RequestError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"request_id {cmd.request_id!r} is already in flight on this stream; use a unique id",
-                "request_id",
-            )
-            # Not registered: the refusal must not finish the live request of that id.
-            out = core.refuse(request, error)
-            out.request_id = cmd.request_id
-            stream.sink([out], self.stats)
-            return []
         stream.live[cmd.request_id] = engine_id
         self._owners[engine_id] = (stream_id, cmd.request_id)
         if self.events is not None:
             self.events.queued(request)
         error_output = core.add_request(request)
-        return [error_output] if error_output is not None else []
+        if error_output is not None:
+            return [error_output]
+        if stream.paused:
+            core.pause([engine_id])
+        return []
 
-    def _dispatch(self, outputs: list[EngineOutput], stats: EngineStats) -> None:
-        by_stream: dict[int, list[EngineOutput]] = defaultdict(list)
+    def _publish_kv_events(self, events: list[KvEvent], stats: EngineStats) -> None:
+        if not events:
+            return
+        for stream in self._streams.values():
+            if stream.kv_sink is not None:
+                for batch in split_events(events, stream.kv_max_hashes):
+                    stream.kv_sink(batch, stats)
+
+    def _dispatch(self, outputs: list[EngineOutput], stats: EngineStats) -> bool:
+        """Hand each stream its outputs; True if a stream was paused meanwhile."""
+        paused = False
+        by_stream: dict[int, list[EngineOutput | RejectedAdd]] = defaultdict(list)
+        for stream_id, rejected in self._rejected:
+            by_stream[stream_id].append(rejected)
+        self._rejected.clear()
         for out in outputs:
             owner = self._owners.get(out.request_id)
             if owner is None:  # its stream closed meanwhile
@@ -323,8 +435,22 @@ class EngineLoop:
                 continue
             out.request_id = client_id
             by_stream[stream_id].append(out)
-        for stream_id, outs in by_stream.items():
-            stream = self._streams[stream_id]
-            stream.sink(outs, stats)
+        for stream_id, items in by_stream.items():
+            stream = self._streams.get(stream_id)
+            if stream is None:  # closed in this turn, after it sent a duplicate add
+                continue
+            if stream.sink(items, stats) is True and not stream.paused:
+                self._pause(stream_id, stream)
+                paused = True
             if stream.half_closed and not stream.live:
                 stream.sink(None, stats)
+        return paused
+
+    def _pause(self, stream_id: int, stream: _Stream) -> None:
+        """Hold the stream's requests back: its reader lags beyond its bound."""
+        assert self.core is not None
+        stream.paused = True
+        self.core.pause(stream.live.values())
+        logger.warning(
+            "stream %d: its reader fell behind; %d requests paused until it catches up", stream_id, len(stream.live)
+        )

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine_svc.outputs import EngineOutput, EngineStats
+from engine_svc.outputs import EngineOutput, EngineStats, StructuredStats
 from engine_svc.service.engine_loop import EngineLoop
 from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
 
 
 class EngineMetrics(RequestListener):
-    def __init__(self, port: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, port: int, registry: CollectorRegistry | None = None, host: str = "127.0.0.1") -> None:
         self.registry = registry or new_registry()
         r = self.registry
         self.running = Gauge("tandem_engine_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("tandem_engine_requests_waiting", "Requests queued", registry=r)
+        self.paused = Gauge(
+            "tandem_engine_requests_paused", "Requests held back because their stream's reader lags", registry=r
+        )
         self.kv_usage = Gauge("tandem_engine_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.hit_rate = Gauge(
             "tandem_engine_prefix_cache_hit_ratio",
@@ -77,10 +80,34 @@ class EngineMetrics(RequestListener):
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.structured_requests = Counter(
+            "tandem_engine_structured_requests_total",
+            "Requests with an output constraint, by kind (json_schema, json_object, regex, choice, grammar)",
+            ["kind"],
+            registry=r,
+        )
+        self.structured_cache_hits = Counter(
+            "tandem_engine_structured_cache_hits_total",
+            "Constrained requests whose grammar was already compiled (no compile wait)",
+            registry=r,
+        )
+        self.structured_refused = Counter(
+            "tandem_engine_structured_refused_total",
+            "Constrained requests refused: constraint does not compile (invalid) or compiled too slowly (timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.structured_compile_time = Histogram(
+            "tandem_engine_structured_compile_duration_seconds",
+            "Time to compile one output constraint against the tokenizer (cache misses only)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self._preemptions_seen = 0
+        self._structured_seen = StructuredStats()
         self.port = port
         if port:
-            serve_metrics(port, r)
+            serve_metrics(port, r, host=host)
 
     def attach(self, engine: EngineLoop) -> None:
         """Start observing ``engine``; call before ``engine.start()``."""
@@ -90,6 +117,7 @@ class EngineMetrics(RequestListener):
     def observe(self, stats: EngineStats, outputs: list[EngineOutput]) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.paused.set(stats.num_paused)
         self.kv_usage.set(stats.kv_cache_usage)
         self.hit_rate.set(stats.prefix_cache_hit_rate)
         if stats.step is not None:
@@ -102,6 +130,25 @@ class EngineMetrics(RequestListener):
         num_generated = sum(len(out.new_token_ids) for out in outputs)
         if num_generated:
             self.generated.inc(num_generated)
+        self._observe_structured(stats.structured)
+
+    def _observe_structured(self, s: StructuredStats) -> None:
+        """Counters from the snapshot's running totals; durations are per snapshot."""
+        seen = self._structured_seen
+        if s.requests_by_kind != seen.requests_by_kind:
+            before = dict(seen.requests_by_kind)
+            for kind, n in s.requests_by_kind:
+                if n > before.get(kind, 0):
+                    self.structured_requests.labels(kind).inc(n - before.get(kind, 0))
+        if s.num_cache_hits > seen.num_cache_hits:
+            self.structured_cache_hits.inc(s.num_cache_hits - seen.num_cache_hits)
+        if s.num_failed > seen.num_failed:
+            self.structured_refused.labels("invalid").inc(s.num_failed - seen.num_failed)
+        if s.num_timeouts > seen.num_timeouts:
+            self.structured_refused.labels("timeout").inc(s.num_timeouts - seen.num_timeouts)
+        for duration in s.compile_durations_s:
+            self.structured_compile_time.observe(duration)
+        self._structured_seen = s
 
     # -- lifecycle events --------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_svc.config import EngineConfig
 from engine_svc.service.servicer import EngineServicer
 from engine_svc.types import ErrorCode, RequestError
+from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
@@ -69,6 +70,7 @@ def model_info(core, config: EngineConfig) -> engine_pb2.GetModelInfoResponse:
         kv_capacity_tokens=runner.num_kv_blocks * config.block_size,
         architecture=runner.model_args.architecture,
         device=config.device,
+        block_hash_algorithm=BLOCK_HASH_ALGORITHM,
     )
     if runner.bos_token_id is not None:
         info.bos_token_id = runner.bos_token_id
@@ -78,7 +80,9 @@ def model_info(core, config: EngineConfig) -> engine_pb2.GetModelInfoResponse:
 class EngineServer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.servicer = EngineServicer(max_message_bytes=config.max_message_bytes)
+        self.servicer = EngineServicer(
+            max_message_bytes=config.max_message_bytes, stream_backlog_bytes=config.stream_backlog_bytes
+        )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.engine = None
@@ -148,8 +152,9 @@ class EngineServer:
         if cfg.metrics_port:
             from engine_svc.service.metrics import EngineMetrics
 
-            EngineMetrics(cfg.metrics_port).attach(engine)
-            logger.info("metrics on :%d/metrics", cfg.metrics_port)
+            host = (cfg.metrics_host or cfg.host).strip("[]")  # never wider than the service itself
+            EngineMetrics(cfg.metrics_port, host=host).attach(engine)
+            logger.info("metrics on http://%s:%d/metrics", host, cfg.metrics_port)
         self.tracer_provider = setup_tracing("tandem-engine", cfg.otlp_endpoint)
         if self.tracer_provider is not None:
             from engine_svc.service.tracing import RequestTracer
@@ -174,7 +179,7 @@ class EngineServer:
                         "the engine shut down before this request finished (shutdown timeout); retry on another engine",
                     )
                 )
-                await asyncio.sleep(0.1)
+            await self.servicer.close_streams(timeout=5.0)
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.engine is not None:

@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from engine_svc.outputs import EngineOutput
 from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from engine_svc.types import FinishReason
+from tandem_common.logs import printable
 
 SPAN_NAME = "tandem.engine.request"
 
@@ -36,7 +37,7 @@ def request_attributes(timeline: RequestTimeline, model_name: str) -> dict:
         "gen_ai.request.presence_penalty": p.presence_penalty,
         "gen_ai.request.frequency_penalty": p.frequency_penalty,
         "gen_ai.usage.input_tokens": request.num_prompt_tokens,
-        "tandem.request_id": request.client_request_id,
+        "tandem.request_id": printable(request.client_request_id),  # client-chosen: escaped, bounded
         "tandem.engine.request_id": request.request_id,
         "tandem.request.priority": request.priority,
         "tandem.request.min_tokens": p.min_tokens,

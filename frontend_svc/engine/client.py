@@ -3,7 +3,7 @@
 Requests go out and outputs come back in plain values: convert.py turns them into and
 out of the engine protocol, and each request's outputs land on its RequestHandle.
 
-    EngineRouter (router.py) ── picks by least outstanding work ──▶ EngineClient (one per address)
+    EngineRouter (router.py) ── routes by load and prefix ──▶ EngineClient (one per address)
                                                          ├─ channel (keepalive, reconnect backoff)
     servicer ── add() ──▶ RequestHandle ◀── outputs ─────┤  Stream: Add/Abort in, steps out
              ── abort() ────────────────────────────────▶┘
@@ -12,6 +12,18 @@ A request's state lives in its client until the engine confirms the end (a finis
 output, also sent for an abort), so outputs are always routed by a live id. Request ids
 are uuid4 hex, never reused within a process. When a stream breaks, every request on it
 fails at once with ``EngineUnavailableError``; the client reconnects with backoff.
+
+A hung engine (stopped, or cut off without a TCP reset) is found two ways: HTTP/2
+keepalive pings (KEEPALIVE_MS, answered by the engine's gRPC core), and a watchdog that
+ends the session when nothing at all came from the engine for ``stall_timeout_s``: no
+stream message and no answer to GetLoad, which the client asks for every second the
+stream is quiet. A session starts only after the router accepted the engine's model
+(``accept``): same name, vocabulary and tokenizer files as the first engine accepted.
+
+With a PrefixIndex (prefix-aware routing), each session subscribes to the engine's
+prefix-cache events as its first message and applies them to the index as they come,
+before the outputs they arrive with; when the session ends the engine is dropped from the
+index at once, and the next session starts again from the engine's snapshot.
 """
 
 from __future__ import annotations
@@ -27,18 +39,35 @@ import grpc
 
 from frontend_svc.engine import convert
 from frontend_svc.engine.handle import RequestHandle
-from frontend_svc.engine.types import EngineLoad, EngineUnavailableError, ModelInfo
+from frontend_svc.engine.prefix_index import PrefixIndex
+from frontend_svc.engine.types import (
+    EngineLoad,
+    EngineRequestTooLargeError,
+    EngineUnavailableError,
+    ModelIdentity,
+    ModelInfo,
+)
+from frontend_svc.text.tokenizer import TOKENIZER_FILE_NAMES
+from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# A ping every 10 s, answered within 10 s (both the keepalive and the general HTTP/2 ping
+# timeout, which is 60 s unless set): a dead peer is noticed within 20 s at worst.
 KEEPALIVE_MS = 10_000
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_CAP_S = 2.0
 RPC_TIMEOUT_S = 10.0
 LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other frontends' load)
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
+DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
+REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
+
+
+class _EngineRefusedError(Exception):
+    """The router does not accept the engine's model; the message says why."""
 
 
 class EngineClient:
@@ -51,22 +80,34 @@ class EngineClient:
         credentials: grpc.ChannelCredentials | None = None,
         tls_server_name: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        accept: Callable[[EngineClient, ModelIdentity], str | None] | None = None,
         on_change: Callable[[], None] | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.address = address
         self.connected = False
         self.retiring = False  # vanished from DNS: no new requests, closed once idle
+        self.refused: str | None = None  # why the router refuses this engine's model
         self.load = EngineLoad()
         self.model_info: ModelInfo | None = None
         self._credentials = credentials
         self._tls_server_name = tls_server_name
         self._max_message_bytes = max_message_bytes
+        self._stall_timeout_s = stall_timeout_s
+        self._accept = accept
         self._on_change = on_change
+        self._index = index
         self._requests: dict[str, RequestHandle] = {}
+        # Requests sent that have not produced a token yet -> their prompt tokens to compute.
+        self._unstarted: dict[str, int] = {}
+        self._unstarted_tokens = 0
         self._outbox: asyncio.Queue | None = None
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task | None = None
         self._last_load_s = 0.0
+        self._last_heard_s = 0.0  # the last stream message or GetLoad answer
+        self._hung: str | None = None  # set by the watchdog just before it ends the session
         self._closed = False
 
     # -- routing figures -------------------------------------------------------------------
@@ -77,11 +118,27 @@ class EngineClient:
 
     @property
     def available(self) -> bool:
-        return self.connected and not self.load.draining and not self.retiring
+        return self.connected and not self.load.draining and not self.retiring and self.refused is None
 
     @property
-    def outstanding_work(self) -> int:
-        return self.num_outstanding + self.load.num_waiting + self.load.num_running
+    def load_tokens(self) -> int:
+        """Tokens queued and running on the engine, what routing balances.
+
+        As the engine last reported them (on its stream, or by GetLoad when the stream is
+        quiet): its waiting requests' tokens plus its KV blocks in use times the block size
+        (the context of its running requests). Plus the prompt tokens of this frontend's
+        requests sent to it that have not produced a token yet, so that a burst counts at
+        once, before the engine reports it; until their first token such requests may be
+        counted twice (also as waiting), which errs towards spreading a burst.
+        """
+        block_size = self.model_info.block_size if self.model_info is not None else 16
+        return self.load.num_waiting_tokens + self.load.num_used_blocks * block_size + self._unstarted_tokens
+
+    @property
+    def predicts_prefix_hits(self) -> bool:
+        """The index holds this engine's blocks: it hashes as this frontend does and subscribed."""
+        info = self.model_info
+        return self._index is not None and info is not None and info.block_hash_algorithm == BLOCK_HASH_ALGORITHM
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -91,6 +148,7 @@ class EngineClient:
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.keepalive_time_ms", KEEPALIVE_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000) or 1),
@@ -111,6 +169,8 @@ class EngineClient:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._fail_all(reason)
+        if self._index is not None:
+            self._index.remove_engine(self.address)
         self._set_connected(False)
         if self._channel is not None:
             await self._channel.close()
@@ -123,6 +183,10 @@ class EngineClient:
                 reason = await self._session()
             except grpc.aio.AioRpcError as e:
                 reason = f"{e.code().name}: {e.details()}"
+            except _EngineRefusedError as e:
+                self._set_refused(str(e))
+                await asyncio.sleep(REFUSED_RETRY_S * random.uniform(0.8, 1.2))
+                continue
             except Exception as e:  # noqa: BLE001 - any failure ends this session, never the loop
                 logger.exception("engine %s: stream failed", self.address)
                 reason = repr(e)
@@ -143,11 +207,29 @@ class EngineClient:
     async def _session(self) -> str:
         stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
-        self.model_info = convert.model_info(info)
+        model_info = convert.model_info(info)
+        if self._accept is not None:
+            identity = ModelIdentity(model_info.model_name, model_info.vocab_size, await self._tokenizer_digests(stub))
+            problem = self._accept(self, identity)
+            if problem is not None:
+                raise _EngineRefusedError(problem)
+        self._set_refused(None)
+        self.model_info = model_info
         outbox: asyncio.Queue = asyncio.Queue()
+        if self.predicts_prefix_hits:
+            outbox.put_nowait(convert.subscribe_kv_events())
+        elif self._index is not None:
+            logger.warning(
+                "engine %s hashes prefix-cache blocks as %r, this frontend as %r: no prefix-aware routing to it",
+                self.address,
+                self.model_info.block_hash_algorithm or "(unnamed)",
+                BLOCK_HASH_ALGORITHM,
+            )
         call = stub.Stream(_drain(outbox))
         self._outbox = outbox
         self.load = EngineLoad()
+        self._last_heard_s = time.monotonic()
+        self._hung = None
         self._set_connected(True)
         logger.info(
             "engine %s connected: model %s, max_model_len %d",
@@ -155,27 +237,69 @@ class EngineClient:
             self.model_info.model_name,
             self.model_info.max_model_len,
         )
-        poller = asyncio.create_task(self._poll_load(stub))
+        watchdog = asyncio.create_task(self._watch(stub, call))
         try:
             async for response in call:
                 self._on_response(response)
+        except asyncio.CancelledError:
+            if self._hung is None:  # the client is closing, not the watchdog
+                raise
         finally:
             self._outbox = None
-            poller.cancel()
+            if self._index is not None:
+                self._index.remove_engine(self.address)
+            watchdog.cancel()
             call.cancel()
-        return "the engine ended the stream"
+        return self._hung or "the engine ended the stream"
 
-    async def _poll_load(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
+    async def _watch(self, stub: engine_pb2_grpc.EngineServiceStub, call) -> None:
+        """Polls the load while the stream is quiet, and ends the session when the engine
+        answers nothing at all for ``stall_timeout_s``."""
+        timeout = min(RPC_TIMEOUT_S, self._stall_timeout_s)
         while True:
             await asyncio.sleep(LOAD_POLL_S)
+            silent_s = time.monotonic() - self._last_heard_s
+            if silent_s > self._stall_timeout_s:
+                self._hung = (
+                    f"the engine sent nothing and answered no GetLoad for {silent_s:.1f} s with "
+                    f"{len(self._requests)} requests in flight (--engine-stall-timeout-s {self._stall_timeout_s:g}); "
+                    "it is hung"
+                )
+                call.cancel()
+                return
             if time.monotonic() - self._last_load_s < LOAD_POLL_S:
                 continue
             try:
-                response = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=RPC_TIMEOUT_S)
+                response = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 logger.debug("engine %s: GetLoad failed: %s", self.address, e.code().name)
                 continue
+            self._last_heard_s = time.monotonic()
             self._set_load(response.load)
+
+    async def _tokenizer_digests(self, stub: engine_pb2_grpc.EngineServiceStub) -> tuple[tuple[str, str], ...]:
+        """(file name, sha256) of the engine's tokenizer files that the frontend reads."""
+        digests: dict[str, str] = {}
+        try:
+            async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
+                if chunk.file_name in TOKENIZER_FILE_NAMES:
+                    digests[chunk.file_name] = chunk.sha256.lower()
+        except grpc.aio.AioRpcError as e:
+            if e.code() is not grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the engine has no tokenizer files
+                raise
+        return tuple(sorted(digests.items()))
+
+    def _set_refused(self, problem: str | None) -> None:
+        if problem != self.refused:
+            if problem is not None:
+                logger.warning(
+                    "engine %s refused: %s; asking again every %.0f s", self.address, problem, REFUSED_RETRY_S
+                )
+            elif self.refused is not None:
+                logger.info("engine %s is accepted now", self.address)
+            self.refused = problem
+            if self._on_change is not None:
+                self._on_change()
 
     def _set_connected(self, connected: bool) -> None:
         if connected != self.connected:
@@ -193,9 +317,19 @@ class EngineClient:
                 self._on_change()
 
     def _on_response(self, response: engine_pb2.StreamResponse) -> None:
+        self._last_heard_s = time.monotonic()
         if response.HasField("load"):
             self._set_load(response.load)
+        for rejected in response.rejected:
+            # Only a duplicate request id is rejected, and ids here are unique uuid4s: the
+            # live request of that id goes on, so there is nothing to deliver.
+            logger.warning(
+                "engine %s rejected an add for %s: %s", self.address, rejected.request_id, rejected.error.message
+            )
+        if response.kv_events and self._index is not None:  # blocks first, then the outputs
+            self._index.apply(self.address, convert.kv_events(response.kv_events))
         for o in response.outputs:
+            self._started(o.request_id)
             handle = self._requests.get(o.request_id)
             if handle is None:
                 logger.debug("engine %s: output for unknown request %s dropped", self.address, o.request_id)
@@ -205,7 +339,12 @@ class EngineClient:
                 del self._requests[o.request_id]
             handle.deliver(out)
 
+    def _started(self, request_id: str) -> None:
+        self._unstarted_tokens -= self._unstarted.pop(request_id, 0)
+
     def _fail_all(self, reason: str) -> None:
+        self._unstarted.clear()
+        self._unstarted_tokens = 0
         requests, self._requests = self._requests, {}
         for handle in requests.values():
             handle.fail(EngineUnavailableError(reason))
@@ -223,15 +362,37 @@ class EngineClient:
         arrival_time: float | None = None,
         wakeup: asyncio.Event | None = None,
         stream_interval: int = 1,
+        num_prefill_tokens: int | None = None,
     ) -> RequestHandle:
         """Queue a request on this engine's stream; outputs arrive on the returned handle,
-        which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle)."""
+        which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle).
+        ``num_prefill_tokens`` (default: the prompt's length) counts in ``load_tokens``
+        until the request's first output."""
         if self._outbox is None or not self.connected:
             raise EngineUnavailableError(f"engine {self.address} is not connected")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id} is already in flight")
+        message = convert.add_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            trace_context=trace_context or {},
+        )
+        # gRPC fails the whole stream, every request on it, for one message over its limit.
+        size = message.ByteSize()
+        if size > self._max_message_bytes:
+            raise EngineRequestTooLargeError(
+                f"the request is {size} bytes as an engine message, more than the {self._max_message_bytes} "
+                "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
+                "logit_bias entries or stop token ids"
+            )
         handle = RequestHandle(request_id, self, wakeup, stream_interval)
         self._requests[request_id] = handle
+        self._outbox.put_nowait(message)
+        self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
+        self._unstarted_tokens += self._unstarted[request_id]
         self._outbox.put_nowait(
             convert.add_request(
                 request_id,
@@ -244,8 +405,9 @@ class EngineClient:
         )
         return handle
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], *, stop_string: bool = False) -> None:
         """Ask the engine to stop these requests; later outputs for them are dropped.
+        ``stop_string``: they are complete (the engine counts them as stopped, not aborted).
 
         Their state stays until the engine confirms (or ABORT_CONFIRM_TIMEOUT_S passes),
         so they keep counting as outstanding work on this engine meanwhile.
@@ -258,24 +420,30 @@ class EngineClient:
                 ids.append(rid)
                 asyncio.get_running_loop().call_later(ABORT_CONFIRM_TIMEOUT_S, self._forget, handle)
         if ids and self._outbox is not None:
-            self._outbox.put_nowait(convert.abort_request(ids))
+            self._outbox.put_nowait(convert.abort_request(ids, stop_string=stop_string))
 
     def _forget(self, handle: RequestHandle) -> None:
         if self._requests.get(handle.request_id) is handle:
             logger.warning("engine %s never confirmed the abort of %s", self.address, handle.request_id)
             del self._requests[handle.request_id]
+            self._started(handle.request_id)
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
-        """Download the tokenizer files and check each against its sha256."""
+        """Download the tokenizer files and check each against its sha256 ({} if the engine has none)."""
         stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         files: dict[str, bytearray] = {}
         digests: dict[str, tuple[int, str]] = {}
-        async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
-            buf = files.setdefault(chunk.file_name, bytearray())
-            if chunk.offset != len(buf):
-                raise ValueError(f"{chunk.file_name}: chunk at offset {chunk.offset}, expected {len(buf)}")
-            buf.extend(chunk.data)
-            digests[chunk.file_name] = (chunk.total_size, chunk.sha256)
+        try:
+            async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
+                buf = files.setdefault(chunk.file_name, bytearray())
+                if chunk.offset != len(buf):
+                    raise ValueError(f"{chunk.file_name}: chunk at offset {chunk.offset}, expected {len(buf)}")
+                buf.extend(chunk.data)
+                digests[chunk.file_name] = (chunk.total_size, chunk.sha256)
+        except grpc.aio.AioRpcError as e:
+            if e.code() is not grpc.StatusCode.NOT_FOUND:
+                raise
+            return {}
         for name, buf in files.items():
             size, digest = digests[name]
             if len(buf) != size:

@@ -1,7 +1,9 @@
 """The engine protocol (tandem.engine.v1) <-> the frontend's plain types, both ways.
 
     SamplingParams, ids ── add_request() / abort_request() ──▶ StreamRequest   (to the engine)
+    subscribe_kv_events() ──▶ StreamRequest                                    (to the engine)
     RequestOutput  ── engine_output() ──▶ EngineOutput                         (from the engine)
+    KvEvent        ── kv_events() ──▶ tandem_common.kv_events values           (from the engine)
     EngineLoad, GetModelInfoResponse ── engine_load() / model_info() ──▶ EngineLoad, ModelInfo
 
 With the session in client.py (which opens the stubs) this is the only frontend code that
@@ -11,7 +13,8 @@ knows the engine's protobuf types; everything past it sees plain dataclasses.
 from __future__ import annotations
 
 from frontend_svc.engine.types import EngineError, EngineLoad, EngineOutput, ModelInfo
-from tandem_common.sampling import SamplingParams
+from tandem_common.kv_events import BlocksRemoved, BlocksStored, CacheSnapshot, KvEvent
+from tandem_common.sampling import SamplingParams, StructuredOutput
 from tandem_common.types import ErrorCode, FinishReason, Logprob
 from tandem_protos.tandem.engine.v1 import engine_pb2
 
@@ -51,8 +54,14 @@ def add_request(
     return engine_pb2.StreamRequest(add=add)
 
 
-def abort_request(request_ids: list[str]) -> engine_pb2.StreamRequest:
-    return engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=request_ids))
+def abort_request(request_ids: list[str], *, stop_string: bool = False) -> engine_pb2.StreamRequest:
+    """``stop_string``: the requests are complete (a stop string matched), not cancelled."""
+    reason = engine_pb2.ABORT_REASON_STOP_STRING if stop_string else engine_pb2.ABORT_REASON_CANCELLED
+    return engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=request_ids, reason=reason))
+
+
+def subscribe_kv_events() -> engine_pb2.StreamRequest:
+    return engine_pb2.StreamRequest(subscribe_kv_events=engine_pb2.SubscribeKvEvents())
 
 
 def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
@@ -76,7 +85,28 @@ def _sampling_params(p: SamplingParams) -> engine_pb2.SamplingParams:
         sp.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         sp.prompt_logprobs = p.prompt_logprobs
+    if p.structured is not None:
+        _set_structured(sp, p.structured)
     return sp
+
+
+_GRAMMAR_SYNTAX = {"lark": engine_pb2.GRAMMAR_SYNTAX_LARK, "gbnf": engine_pb2.GRAMMAR_SYNTAX_GBNF}
+_JSON_WHITESPACE = {"compact": engine_pb2.JSON_WHITESPACE_COMPACT, "flexible": engine_pb2.JSON_WHITESPACE_FLEXIBLE}
+
+
+def _set_structured(sp: engine_pb2.SamplingParams, s: StructuredOutput) -> None:
+    """Fills the ``constraint`` oneof (planning has checked ``s``)."""
+    if s.kind == "json_object":
+        sp.json_object = True
+    elif s.kind == "choice":
+        sp.choice.choices.extend(s.choices)
+    elif s.kind == "grammar":
+        sp.grammar.syntax = _GRAMMAR_SYNTAX[s.grammar_syntax]
+        sp.grammar.text = s.text
+    else:  # json_schema, regex: the text itself
+        setattr(sp, s.kind, s.text)
+    sp.json_whitespace = _JSON_WHITESPACE[s.json_whitespace]
+    sp.json_lenient = s.json_lenient
 
 
 # -- from the engine -----------------------------------------------------------------------
@@ -107,8 +137,30 @@ def _logprob(lp: engine_pb2.TokenLogprob) -> Logprob:
     return Logprob(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
 
 
+def kv_events(events) -> list[KvEvent]:
+    """A StreamResponse's kv_events as plain values, in order; unknown kinds are skipped."""
+    out: list[KvEvent] = []
+    for e in events:
+        kind = e.WhichOneof("event")
+        if kind == "stored":
+            parent = e.stored.parent_block_hash if e.stored.HasField("parent_block_hash") else None
+            out.append(BlocksStored(tuple(e.stored.block_hashes), parent))
+        elif kind == "removed":
+            out.append(BlocksRemoved(tuple(e.removed.block_hashes)))
+        elif kind == "snapshot":
+            s = e.snapshot
+            out.append(CacheSnapshot(tuple(s.block_hashes), first=s.first, last=s.last))
+    return out
+
+
 def engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:
-    return EngineLoad(num_running=load.num_running, num_waiting=load.num_waiting, draining=load.draining)
+    return EngineLoad(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        draining=load.draining,
+        num_used_blocks=load.num_used_blocks,
+        num_waiting_tokens=load.num_waiting_tokens,
+    )
 
 
 def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -118,4 +170,6 @@ def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids),
         bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
+        block_size=info.block_size or 16,
+        block_hash_algorithm=info.block_hash_algorithm,
     )

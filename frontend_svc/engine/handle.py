@@ -65,21 +65,25 @@ class RequestHandle:
             self.wakeup.set()
 
     def fail(self, error: Exception) -> None:
-        """The request is lost (its stream broke): ``take()`` raises ``error`` once nothing is pending."""
+        """The request is lost (its stream broke): ``take()`` raises ``error`` once the outputs
+        still pending are taken."""
         self._error = error
         self.wakeup.set()
 
     # -- the reader's side -----------------------------------------------------------------
 
     def take(self) -> EngineOutput | None:
-        """Everything delivered since the last call, merged; None if nothing; raises on failure."""
+        """Everything delivered since the last call, merged; None if nothing; raises on failure
+        (after the outputs delivered before it: the reader is woken again to see it)."""
         out, self._pending = self._pending, None
-        if out is None and self._error is not None:
-            raise self._error
+        if self._error is not None:
+            if out is None:
+                raise self._error
+            self.wakeup.set()
         return out
 
-    def abort(self) -> None:
-        self.client.abort([self.request_id])
+    def abort(self, *, stop_string: bool = False) -> None:
+        self.client.abort([self.request_id], stop_string=stop_string)
 
     def __aiter__(self) -> RequestHandle:
         return self

@@ -1,27 +1,87 @@
-"""Routing over every engine this frontend knows: static addresses and DNS names."""
+"""Routing over every engine this frontend knows: static addresses and DNS names.
+
+    servicer ── route(PromptBlocks) ──▶ EngineRouter ── Candidate per available engine ──▶
+             routing.py (least-load or prefix policy) ──▶ Route(client, reason, predicted hit)
+
+With the prefix policy the router owns a PrefixIndex that every EngineClient feeds from
+its engine's prefix-cache events; a prompt is hashed once per request, only when there
+are two or more engines to choose from, and off the event loop when it is long.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
-from frontend_svc.engine.client import EngineClient
-from frontend_svc.engine.types import EngineUnavailableError, ModelInfo
+from frontend_svc.engine.client import DEFAULT_STALL_TIMEOUT_S, EngineClient
+from frontend_svc.engine.prefix_index import PrefixIndex
+from frontend_svc.engine.routing import (
+    DEFAULT_LOAD_THRESHOLD_TOKENS,
+    Candidate,
+    RoutingPolicy,
+    RoutingReason,
+    choose_by_prefix,
+    least_loaded,
+)
+from frontend_svc.engine.types import EngineUnavailableError, ModelIdentity, ModelInfo
+from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks
 
 logger = logging.getLogger(__name__)
+
+# Prompts with more tokens to hash than this are hashed on a worker thread: SHA-256 of a
+# block of 16 costs 1-2 us here (4096 tokens about 0.3 ms, 32k tokens about 3 ms), and the
+# event loop serves every other call and stream meanwhile.
+HASH_OFF_LOOP_TOKENS = 4096
+
+
+class PromptBlocks:
+    """A request's prompt as routing sees it: its block hashes, made once per block size,
+    on first use, and kept for a retry on another engine."""
+
+    def __init__(self, token_ids: list[int], *, prompt_logprobs: bool = False) -> None:
+        self.token_ids = token_ids
+        self.prompt_logprobs = prompt_logprobs  # such requests hit nothing (the engine's rule)
+        self._hashes: dict[int, list[BlockHash]] = {}
+
+    async def hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of the leading blocks an engine's prefix cache could serve (max_hit_blocks)."""
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            n = max_hit_blocks(len(self.token_ids), block_size, prompt_logprobs=self.prompt_logprobs)
+            if n * block_size > HASH_OFF_LOOP_TOKENS:
+                hashes = await asyncio.to_thread(hash_blocks, self.token_ids, block_size, n)
+            else:
+                hashes = hash_blocks(self.token_ids, block_size, n)
+            self._hashes[block_size] = hashes
+        return hashes
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes and why; ``predicted_cached_tokens`` is None when nothing was predicted."""
+
+    client: EngineClient
+    reason: RoutingReason
+    predicted_cached_tokens: int | None = None
 
 
 class EngineRouter:
     """All engines this frontend knows: a static list plus DNS names re-resolved periodically.
 
-    ``pick()`` returns the available engine (connected, not draining, not retiring) with
-    the least outstanding work: this frontend's in-flight requests on it plus the
-    engine's reported running and waiting requests. Ties are broken at random.
+    ``route()`` picks among the available engines (connected, not draining, not retiring)
+    by the policy (routing.py): the least loaded one, or the one holding the longest
+    cached prefix of the prompt within ``load_threshold_tokens`` of the least load.
+    ``pick()`` is the least-load choice alone.
+
+    Every engine must serve the model of the first engine accepted (``identity``): an
+    engine with another model name, vocabulary size or tokenizer file is refused, with a
+    warning that says what differs, and never gets a request. The first model stays the
+    reference for the life of the process: a frontend follows a model change by restarting.
     """
 
     def __init__(
@@ -31,12 +91,20 @@ class EngineRouter:
         dns_refresh_s: float = 10.0,
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        policy: RoutingPolicy = RoutingPolicy.LEAST_LOAD,
+        load_threshold_tokens: int = DEFAULT_LOAD_THRESHOLD_TOKENS,
     ) -> None:
         self._static = [t for t in targets if not t.startswith("dns:")]
         self._dns = [parse_dns_target(t) for t in targets if t.startswith("dns:")]
         self._dns_refresh_s = dns_refresh_s
         self._credentials = credentials
         self._max_message_bytes = max_message_bytes
+        self._stall_timeout_s = stall_timeout_s
+        self.identity: ModelIdentity | None = None  # of the first engine accepted
+        self.policy = policy
+        self.load_threshold_tokens = load_threshold_tokens
+        self.index = PrefixIndex() if policy is RoutingPolicy.PREFIX else None
         self._clients: dict[str, EngineClient] = {}
         self._resolved: dict[tuple[str, int], set[str]] = {}
         self._listeners: list[Callable[[], None]] = []
@@ -57,11 +125,28 @@ class EngineRouter:
         return sum(c.connected for c in self._clients.values())
 
     @property
+    def num_refused(self) -> int:
+        """Engines refused because they serve another model."""
+        return sum(c.refused is not None for c in self._clients.values())
+
+    @property
     def model_info(self) -> ModelInfo | None:
         return next((c.model_info for c in self._clients.values() if c.connected and c.model_info), None)
 
+    def engine_figures(self) -> dict[str, tuple[int, int]]:
+        """{address: (load tokens, blocks the prefix index holds)} of the connected engines and
+        of those the index still holds blocks of (metrics)."""
+        index = self.index
+        addresses = {c.address for c in self._clients.values() if c.connected}
+        addresses.update(index.engines if index is not None else ())
+        return {
+            a: (self._clients[a].load_tokens if a in self._clients else 0, index.num_blocks(a) if index else 0)
+            for a in addresses
+        }
+
     def add_listener(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever an engine connects, disconnects or starts/stops draining."""
+        """Call ``callback`` whenever an engine connects, disconnects, starts/stops draining
+        or is refused."""
         self._listeners.append(callback)
 
     async def start(self) -> None:
@@ -83,13 +168,38 @@ class EngineRouter:
         await asyncio.wait_for(self._connected.wait(), timeout)
 
     def pick(self, exclude: Sequence[EngineClient] = ()) -> EngineClient:
+        """The least loaded available engine (``EngineClient.load_tokens``); ties at random."""
+        candidates = self._available(exclude)
+        return candidates[least_loaded([Candidate(c.load_tokens) for c in candidates])]
+
+    async def route(self, prompt: PromptBlocks, exclude: Sequence[EngineClient] = ()) -> Route:
+        """Where ``prompt``'s request goes, by the policy; raises EngineUnavailableError when nowhere."""
+        candidates = self._available(exclude)
+        if self.index is None:
+            return Route(self.pick(exclude), RoutingReason.LEAST_LOAD)
+        if len(candidates) == 1:
+            return Route(candidates[0], RoutingReason.SINGLE_ENGINE)
+        block_sizes = {c.model_info.block_size for c in candidates if c.predicts_prefix_hits and c.model_info}
+        matches = {bs: self.index.match(await prompt.hashes(bs)) for bs in sorted(block_sizes)}
+        candidates = self._available(exclude)  # the awaits may have let engines come or go
+        figures = []
+        for c in candidates:
+            hit = 0
+            if c.predicts_prefix_hits and c.model_info is not None and c.model_info.block_size in matches:
+                hit = matches[c.model_info.block_size].get(c.address, 0) * c.model_info.block_size
+            figures.append(Candidate(c.load_tokens, hit, self.index.num_blocks(c.address)))
+        i, reason = choose_by_prefix(figures, self.load_threshold_tokens)
+        chosen = candidates[i]
+        return Route(chosen, reason, figures[i].hit_tokens if chosen.predicts_prefix_hits else None)
+
+    def _available(self, exclude: Sequence[EngineClient]) -> list[EngineClient]:
         candidates = [c for c in self._clients.values() if c.available and c not in exclude]
         if not candidates:
             raise EngineUnavailableError(
                 f"no engine is available ({len(self._clients)} known, {self.num_connected} connected, "
                 "none accepting requests); retry later"
             )
-        return min(candidates, key=lambda c: (c.outstanding_work, random.random()))
+        return candidates
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
         """Tokenizer files from the first connected engine that serves them intact."""
@@ -100,6 +210,24 @@ class EngineRouter:
             except (grpc.aio.AioRpcError, ValueError) as e:
                 errors.append(f"{client.address}: {e}")
         raise EngineUnavailableError("cannot fetch the tokenizer: " + ("; ".join(errors) or "no engine connected"))
+
+    def _accept(self, client: EngineClient, identity: ModelIdentity) -> str | None:
+        """None if ``client``'s model is the one this frontend serves, else why not."""
+        if self.identity is None:
+            self.identity = identity
+            files = ", ".join(name for name, _ in identity.tokenizer_sha256) or "none"
+            logger.info(
+                "serving model %s (vocabulary %d, tokenizer files: %s) as engine %s has it",
+                identity.model_name,
+                identity.vocab_size,
+                files,
+                client.address,
+            )
+            return None
+        diffs = self.identity.differences(identity)
+        if not diffs:
+            return None
+        return f"it serves another model than the first engine this frontend accepted: {'; '.join(diffs)}"
 
     def _changed(self) -> None:
         if self.healthy:
@@ -115,7 +243,10 @@ class EngineRouter:
             credentials=self._credentials,
             tls_server_name=tls_server_name,
             max_message_bytes=self._max_message_bytes,
+            stall_timeout_s=self._stall_timeout_s,
+            accept=self._accept,
             on_change=self._changed,
+            index=self.index,
         )
         self._clients[address] = client
         client.start()

@@ -1,5 +1,6 @@
 """The public API (tandem.generate.v1) <-> plain values, both ways.
 
+    GenerateRequest ── request_sizes() ──▶ RequestSizes          (then planning.check_sizes)
     GenerateRequest ── generate_input() ──▶ GenerateInput        (then planning.plan_generate)
     ChatMessages    ── chat() ──▶ Chat                            (Generate and Tokenize)
     ChoiceOutput    ── generate_response() ──▶ GenerateResponse   (one per streamed piece)
@@ -13,9 +14,9 @@ its documented default, never zero.
 from __future__ import annotations
 
 from frontend_svc.engine.types import ModelInfo
-from frontend_svc.service.planning import Chat, GenerateInput
+from frontend_svc.service.planning import Chat, GenerateInput, RequestSizes
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
-from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
 from tandem_common.types import FinishReason
 from tandem_protos.tandem.generate.v1 import generate_pb2
 
@@ -28,6 +29,21 @@ _FINISH = {
 
 
 # -- requests in ---------------------------------------------------------------------------
+
+
+def request_sizes(request: generate_pb2.GenerateRequest) -> RequestSizes:
+    """The lengths of the request's repeated fields; nothing is copied."""
+    sp = request.sampling_params
+    which = request.WhichOneof("input")
+    return RequestSizes(
+        input=which,
+        num_token_ids=len(request.token_ids.ids) if which == "token_ids" else 0,
+        num_messages=len(request.messages.messages) if which == "messages" else 0,
+        num_stop=len(sp.stop),
+        num_stop_token_ids=len(sp.stop_token_ids),
+        num_logit_bias=len(sp.logit_bias),
+        request_id_chars=len(request.request_id),
+    )
 
 
 def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
@@ -49,6 +65,7 @@ def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         logit_bias=dict(sp.logit_bias),
+        structured=structured_output(sp),
     )
     return GenerateInput(
         input=which,
@@ -64,6 +81,34 @@ def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
         return_token_ids=request.return_token_ids,
         priority=request.priority,
+    )
+
+
+_GRAMMAR_SYNTAX = {
+    generate_pb2.GRAMMAR_SYNTAX_UNSPECIFIED: "lark",
+    generate_pb2.GRAMMAR_SYNTAX_LARK: "lark",
+    generate_pb2.GRAMMAR_SYNTAX_GBNF: "gbnf",
+}
+_JSON_WHITESPACE = {
+    generate_pb2.JSON_WHITESPACE_UNSPECIFIED: "compact",
+    generate_pb2.JSON_WHITESPACE_COMPACT: "compact",
+    generate_pb2.JSON_WHITESPACE_FLEXIBLE: "flexible",
+}
+
+
+def structured_output(sp: generate_pb2.SamplingParams) -> StructuredOutput | None:
+    """The ``constraint`` oneof and its options (checked later by planning). Two
+    constraints at once cannot reach here: protobuf keeps the last member of a oneof."""
+    kind = sp.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not sp.json_object):
+        return None
+    return StructuredOutput(
+        kind=kind,
+        text=sp.grammar.text if kind == "grammar" else sp.json_schema if kind == "json_schema" else sp.regex,
+        choices=tuple(sp.choice.choices),
+        grammar_syntax=_GRAMMAR_SYNTAX.get(sp.grammar.syntax, str(sp.grammar.syntax)),
+        json_whitespace=_JSON_WHITESPACE.get(sp.json_whitespace, str(sp.json_whitespace)),
+        json_lenient=sp.json_lenient,
     )
 
 

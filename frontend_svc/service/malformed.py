@@ -6,11 +6,13 @@ answers a deserializer failure with UNKNOWN and the parser's exception text; thi
 interceptor parses leniently and refuses such a request itself, naming what was wrong.
 
 Only the unary-request methods of GenerateService are wrapped: they are the public
-surface, and their handlers are known to be coroutines or async generators.
+surface, and their handlers are known to be coroutines (streaming ones may write with
+``context.write``) or async generators.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import grpc
@@ -62,8 +64,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(request, context):
                 if isinstance(request, _Undecodable):
                     await _refuse(request, context)
-                async for response in inner_stream(request, context):
-                    yield response
+                result = inner_stream(request, context)
+                if inspect.isasyncgen(result):
+                    async for response in result:
+                        await context.write(response)
+                else:  # a handler that writes itself (context.write)
+                    await result
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, request_deserializer=parse, response_serializer=handler.response_serializer

@@ -6,7 +6,11 @@ Generate call reaches the servicer, on the frontend's clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
 
@@ -62,6 +66,59 @@ class FrontendMetrics:
             registry=r,
         )
         self.engines_connected = Gauge("tandem_frontend_engines_connected", "Engines with a live stream", registry=r)
+        self.engines_refused = Gauge(
+            "tandem_frontend_engines_refused",
+            "Engines refused because they serve another model than the first engine accepted",
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            "tandem_frontend_routing_decisions",
+            "Engine choices by reason: least_load, single_engine, prefix_hit, load_fallback, no_hit",
+            ["reason"],
+            registry=r,
+        )
+        self.prefix_predictions = Counter(
+            "tandem_frontend_prefix_predictions",
+            "Calls whose cached prompt tokens were predicted at routing, by how the engine's usage "
+            "compared: exact, over (predicted more), under (predicted fewer)",
+            ["outcome"],
+            registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "tandem_frontend_predicted_cached_tokens",
+            "Prompt tokens predicted to be served from the chosen engine's prefix cache",
+            registry=r,
+        )
+        self.predicted_calls_cached_tokens = Counter(
+            "tandem_frontend_predicted_calls_cached_tokens",
+            "Prompt tokens the engines served from their prefix caches, for calls with a prediction",
+            registry=r,
+        )
 
-    def serve(self, port: int) -> None:
-        serve_metrics(port, self.registry)
+    def watch_engines(self, loads: Callable[[], dict[str, tuple[int, int]]]) -> None:
+        """Per-engine gauges read at scrape time: ``loads()`` -> {address: (load tokens, index blocks)}."""
+        self.registry.register(_EngineCollector(loads))
+
+    def serve(self, port: int, host: str) -> None:
+        serve_metrics(port, self.registry, host=host)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, loads: Callable[[], dict[str, tuple[int, int]]]) -> None:
+        self._loads = loads
+
+    def collect(self):
+        load = GaugeMetricFamily(
+            "tandem_frontend_engine_load_tokens",
+            "Queued and running tokens of each connected engine, as routing sees them",
+            labels=["engine"],
+        )
+        blocks = GaugeMetricFamily(
+            "tandem_frontend_prefix_index_blocks",
+            "Prefix-cache blocks each engine holds, as the frontend's index knows them (prefix routing)",
+            labels=["engine"],
+        )
+        for engine, (tokens, num_blocks) in sorted(self._loads().items()):
+            load.add_metric([engine], tokens)
+            blocks.add_metric([engine], num_blocks)
+        return [load, blocks]

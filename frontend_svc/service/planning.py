@@ -1,8 +1,13 @@
 """Generate requests checked and planned, in plain values: GenerateInput -> Plan, or a RequestError.
 
+    GenerateRequest ── convert.request_sizes() ──▶ RequestSizes ── check_sizes()    (lengths only, O(1))
     GenerateRequest ── convert.generate_input() ──▶ GenerateInput
     GenerateInput ── plan_generate() ──▶ Plan      (prompt tokenized, every field checked)
                                     └──▶ RequestError(code, "field: what to fix")
+
+Every size is checked before the work it would make expensive: the lengths of repeated
+fields before anything is copied, the length of a text before it is tokenized, the
+length of a token-id prompt before its ids are looked at. docs/limits.md lists the limits.
 
 No grpc and no protobuf here: an error carries an ErrorCode, which names the gRPC status
 the servicer ends the call with. INVALID_ARGUMENT messages start with the field's path in
@@ -17,9 +22,16 @@ from frontend_svc.engine.types import ModelInfo
 from frontend_svc.text.output_processor import TextParams
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.sampling import SamplingParams, check_sampling_params
+from tandem_common.sampling import check_sizes as check_sampling_sizes
 from tandem_common.types import ErrorCode
 
 _U64 = 1 << 64  # seeds are uint64 on the wire
+
+# The frontend's own fixed limits (the sampling ones both services share are in
+# tandem_common.sampling; n and the stop strings are set by flags, see RequestLimits).
+MAX_CHAT_MESSAGES = 1024  # turns of one conversation (Generate and Tokenize)
+MAX_REQUEST_ID_CHARS = 256  # a client's request_id; it goes into every log line of the call
+MAX_DETOKENIZE_IDS = 1 << 20  # token ids of one Detokenize call
 
 
 class RequestError(Exception):
@@ -32,6 +44,29 @@ class RequestError(Exception):
 
 def invalid(field: str, message: str) -> RequestError:
     return RequestError(ErrorCode.INVALID_ARGUMENT, f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The frontend's limits that an operator sets by flag (--max-n, --max-stop-strings,
+    --max-stop-string-chars)."""
+
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+
+
+@dataclass(frozen=True)
+class RequestSizes:
+    """The lengths of a Generate request's repeated fields, read without copying them."""
+
+    input: str | None  # which prompt field is set, as in GenerateInput
+    num_token_ids: int = 0
+    num_messages: int = 0
+    num_stop: int = 0
+    num_stop_token_ids: int = 0
+    num_logit_bias: int = 0
+    request_id_chars: int = 0
 
 
 @dataclass
@@ -87,20 +122,39 @@ class Plan:
         return self.text if i == 0 else replace(self.text, prompt_logprobs=False)
 
 
-def plan_generate(
-    request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo, *, max_n: int, max_stop_strings: int
-) -> Plan:
-    """Tokenizes the prompt and checks every field; raises RequestError for the first problem."""
+def check_sizes(sizes: RequestSizes, limits: RequestLimits, info: ModelInfo) -> None:
+    """The size limits, from lengths alone; call it before the request is converted."""
+    if sizes.request_id_chars > MAX_REQUEST_ID_CHARS:
+        raise invalid(
+            "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters are allowed, got {sizes.request_id_chars}"
+        )
+    if sizes.input == "token_ids" and sizes.num_token_ids >= info.max_model_len:
+        raise invalid("token_ids.ids", _too_long(sizes.num_token_ids, info.max_model_len))
+    if sizes.input == "messages":
+        check_num_messages("messages.messages", sizes.num_messages)
+    if sizes.num_stop > limits.max_stop_strings:
+        raise invalid(
+            "sampling_params.stop", f"at most {limits.max_stop_strings} stop strings are allowed, got {sizes.num_stop}"
+        )
+    error = check_sampling_sizes(sizes.num_stop_token_ids, sizes.num_logit_bias)
+    if error is not None:
+        raise invalid(f"sampling_params.{error.name}", error.message)
+
+
+def check_num_messages(field: str, num_messages: int) -> None:
+    if num_messages > MAX_CHAT_MESSAGES:
+        raise invalid(field, f"at most {MAX_CHAT_MESSAGES} messages are allowed, got {num_messages}")
+
+
+def plan_generate(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo, limits: RequestLimits) -> Plan:
+    """Tokenizes the prompt and checks every field; raises RequestError for the first problem.
+    The sizes are checked already (``check_sizes``)."""
     which = request.input
-    prompt = _prompt(request, tokenizer, info.vocab_size)
+    prompt = _prompt(request, tokenizer, info)
     if not prompt:
         raise invalid(which, "the prompt is empty after tokenization")
     if len(prompt) >= info.max_model_len:
-        raise invalid(
-            which,
-            f"the prompt has {len(prompt)} tokens but the model's context is "
-            f"{info.max_model_len} tokens; shorten it to at most {info.max_model_len - 1}",
-        )
+        raise invalid(which, _too_long(len(prompt), info.max_model_len))
 
     params = request.params
     room = info.max_model_len - len(prompt)
@@ -115,7 +169,7 @@ def plan_generate(
                 f"tokens; ask for at most {room}"
             ),
         )
-    check_params(params, request.n, request.stop, info.vocab_size, max_n=max_n, max_stop_strings=max_stop_strings)
+    check_params(params, request.n, request.stop, info.vocab_size, limits)
     text = TextParams(
         stop=list(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
@@ -127,45 +181,83 @@ def plan_generate(
     return Plan(prompt, request.n, params, text, request.priority)
 
 
-def _prompt(request: GenerateInput, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+def _too_long(num_tokens: int, max_model_len: int) -> str:
+    return (
+        f"the prompt has {num_tokens} tokens but the model's context is "
+        f"{max_model_len} tokens; shorten it to at most {max_model_len - 1}"
+    )
+
+
+def _prompt(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
     if request.input is None:
         raise invalid("input", "set one of text, token_ids or messages")
     if request.input == "text":
         if not request.text:
             raise invalid("text", "the prompt text is empty")
-        return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return encode_prompt("text", request.text, tokenizer, info.max_model_len, request.add_special_tokens)
     if request.input == "token_ids":
         if not request.token_ids:
             raise invalid("token_ids.ids", "the prompt has no token ids")
-        check_ids("token_ids.ids", request.token_ids, vocab_size)
+        check_ids("token_ids.ids", request.token_ids, info.vocab_size)
         return request.token_ids
-    return render_chat(request.chat, tokenizer)
+    assert request.chat is not None
+    return render_chat(request.chat, tokenizer, info.max_model_len)
 
 
-def check_params(
-    p: SamplingParams, n: int, stop: list[str], vocab_size: int, *, max_n: int, max_stop_strings: int
-) -> None:
+def encode_prompt(
+    field: str, text: str, tokenizer: Tokenizer, max_model_len: int | None, add_special_tokens: bool
+) -> list[int]:
+    """Token ids of a prompt text; text that can never fit the context is refused first
+    (``max_model_len`` None: no engine has told the context yet, nothing is refused).
+
+    No token stands for more characters of (normalized) text than the vocabulary's longest
+    entry, so a text longer than (max_model_len - 1) times that needs more tokens than the
+    context holds: refused in O(length), before tokenizing, which takes seconds and about
+    100 bytes of memory per character of text. This assumes a tokenizer that drops no text
+    (true of the byte-level and SentencePiece BPE tokenizers of the Llama family).
+    """
+    if max_model_len is None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    limit = (max_model_len - 1) * tokenizer.max_token_chars
+    if len(text) > limit:
+        num_chars = tokenizer.normalized_len(text)
+        if num_chars > limit:
+            raise invalid(
+                field,
+                f"the text has {num_chars} characters, more than fit the model's context of {max_model_len} "
+                f"tokens: no token of this model stands for more than {tokenizer.max_token_chars} characters, "
+                f"so at most {limit} characters can fit; shorten it",
+            )
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_params(p: SamplingParams, n: int, stop: list[str], vocab_size: int, limits: RequestLimits) -> None:
     """n, then the limits both services share (tandem_common.sampling), then the stop strings."""
-    if not 1 <= n <= max_n:
-        raise invalid("sampling_params.n", f"must be in [1, {max_n}], got {n}")
+    if not 1 <= n <= limits.max_n:
+        raise invalid("sampling_params.n", f"must be in [1, {limits.max_n}], got {n}")
     error = check_sampling_params(p, vocab_size)
     if error is not None:
         raise invalid(f"sampling_params.{error.name}", error.message)
-    if len(stop) > max_stop_strings:
-        raise invalid("sampling_params.stop", f"at most {max_stop_strings} stop strings are allowed, got {len(stop)}")
     for i, s in enumerate(stop):
         if not s:
             raise invalid(f"sampling_params.stop[{i}]", "stop strings must not be empty")
+        if len(s) > limits.max_stop_string_chars:
+            raise invalid(
+                f"sampling_params.stop[{i}]",
+                f"at most {limits.max_stop_string_chars} characters are allowed, got {len(s)}",
+            )
 
 
 def check_ids(field: str, ids, vocab_size: int) -> None:
     """Token ids given as input (a prompt, Detokenize) must lie inside the vocabulary."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # C speed; the loop only names the culprit
+        return
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
             raise invalid(field, f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
 
 
-def render_chat(chat: Chat, tokenizer: Tokenizer) -> list[int]:
+def render_chat(chat: Chat, tokenizer: Tokenizer, max_model_len: int | None) -> list[int]:
     """Token ids of ``chat`` rendered with the model's chat template."""
     if not tokenizer.has_chat_template:
         raise invalid("messages", "the model has no chat template; send text or token_ids instead")
@@ -176,4 +268,4 @@ def render_chat(chat: Chat, tokenizer: Tokenizer) -> list[int]:
     except ValueError as e:
         raise invalid("messages", str(e)) from e
     # The template writes the special tokens (BOS) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_prompt("messages", text, tokenizer, max_model_len, add_special_tokens=False)

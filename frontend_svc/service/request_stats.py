@@ -2,13 +2,15 @@
 
     GenerateStats(...)        call start: in-flight gauge, server span (when tracing)
       .planned(plan)          prompt tokens, request attributes on the span
-      .routed(engine, ids)    the engine and its request ids; trace context for the engine
+      .routed(route, ids)     the engine, why, the predicted cached tokens; trace context for the engine
       .piece(output)          each streamed piece: TTFT, inter-token latency, finish reasons
+      .generated(n)           tokens the engine generated for the call (cancelled calls too)
       .end(code, message)     status counters, E2E latency, span end, one INFO log line
 
 The log line carries its fields as ``extra`` too, so ``--log-format json`` emits them as
-keys: request_id, engine, code, prompt_tokens, completion_tokens, cached_tokens,
-ttft_s, total_s, finish_reason (and trace_id when tracing).
+keys: request_id, engine, routing, code, prompt_tokens, completion_tokens, cached_tokens,
+predicted_cached_tokens, ttft_s, total_s, finish_reason (and trace_id when tracing). The client's request_id is
+escaped and cut (tandem_common.logs.printable), so it can never forge a log line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import grpc
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.tracing import end_rpc_span, start_rpc_span, trace_context_of
 from frontend_svc.text.output_processor import ChoiceOutput
+from tandem_common.logs import printable
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +33,10 @@ class GenerateStats:
         self.start = time.monotonic()
         self.metrics = metrics
         self.span = start_rpc_span(tracer, "Generate", context) if tracer is not None else None
-        self.request_id = request_id  # the client's, else the first engine request id
+        self.request_id = printable(request_id)  # the client's, else the first engine request id
         self.engine = ""
+        self.routing = ""  # why that engine (RoutingReason value)
+        self.predicted_cached_tokens: int | None = None  # None: nothing was predicted
         self.num_prompt_tokens = 0
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0
@@ -62,13 +67,22 @@ class GenerateStats:
                 attributes["gen_ai.request.stop_sequences"] = stop
             self.span.set_attributes(attributes)
 
-    def routed(self, engine: str, engine_request_ids: list[str]) -> dict[str, str]:
-        """Records the engine; returns the trace context to send with the requests ({} when off)."""
-        self.engine = engine
+    def routed(
+        self, engine: str, engine_request_ids: list[str], reason: str = "", predicted_cached_tokens: int | None = None
+    ) -> dict[str, str]:
+        """Records the engine and why; returns the trace context to send with the requests ({} when off)."""
+        self.engine, self.routing, self.predicted_cached_tokens = engine, reason, predicted_cached_tokens
         self.request_id = self.request_id or engine_request_ids[0]
+        if reason:
+            self.metrics.routing_decisions.labels(reason).inc()
         if self.span is None:
             return {}
-        self.span.set_attributes({"tandem.engine.address": engine, "tandem.engine.request_ids": engine_request_ids})
+        attributes: dict = {"tandem.engine.address": engine, "tandem.engine.request_ids": engine_request_ids}
+        if reason:
+            attributes["tandem.routing.reason"] = reason
+        if predicted_cached_tokens is not None:
+            attributes["tandem.routing.predicted_cached_tokens"] = predicted_cached_tokens
+        self.span.set_attributes(attributes)
         return trace_context_of(self.span)
 
     def piece(self, piece: ChoiceOutput) -> None:
@@ -91,26 +105,38 @@ class GenerateStats:
             self.finish_reasons.append(reason)
             self.metrics.finished.labels(reason).inc()
             if piece.usage is not None:
-                self.num_completion_tokens += piece.usage.completion_tokens
                 self.num_cached_tokens = max(self.num_cached_tokens, piece.usage.cached_tokens)
-                self.metrics.generation_tokens.inc(piece.usage.completion_tokens)
+
+    def generated(self, num_tokens: int) -> None:
+        """The tokens generated for the call so far, over all choices, as counted in usage
+        (for a call retried on another engine, the last engine's)."""
+        self.num_completion_tokens = num_tokens
 
     def end(self, code: grpc.StatusCode, message: str = "") -> None:
         total_s = time.monotonic() - self.start
         m = self.metrics
         m.in_flight.dec()
         m.requests.labels(code.name).inc()
+        m.generation_tokens.inc(self.num_completion_tokens)
         if code is grpc.StatusCode.OK:
             m.e2e.observe(total_s)
             m.request_generation_tokens.observe(self.num_completion_tokens)
+            if self.predicted_cached_tokens is not None:  # the index's accuracy
+                predicted, actual = self.predicted_cached_tokens, self.num_cached_tokens
+                outcome = "exact" if predicted == actual else "over" if predicted > actual else "under"
+                m.prefix_predictions.labels(outcome).inc()
+                m.predicted_cached_tokens.inc(predicted)
+                m.predicted_calls_cached_tokens.inc(actual)
         finish_reason = ",".join(self.finish_reasons)
         fields = {
             "request_id": self.request_id or "-",
             "engine": self.engine or "-",
+            "routing": self.routing or None,
             "code": code.name,
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "cached_tokens": self.num_cached_tokens,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "total_s": round(total_s, 6),
             "finish_reason": finish_reason or None,
@@ -131,14 +157,16 @@ class GenerateStats:
             end_rpc_span(self.span, code, message)
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s:.3f}s"
         logger.info(
-            "Generate %s %s: engine=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d ttft=%s "
-            "total=%.3fs finish_reason=%s%s",
+            "Generate %s %s: engine=%s routing=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
+            "predicted_cached_tokens=%s ttft=%s total=%.3fs finish_reason=%s%s",
             fields["request_id"],
             code.name,
             fields["engine"],
+            self.routing or "-",
             self.num_prompt_tokens,
             self.num_completion_tokens,
             self.num_cached_tokens,
+            "-" if self.predicted_cached_tokens is None else self.predicted_cached_tokens,
             ttft,
             total_s,
             finish_reason or "-",

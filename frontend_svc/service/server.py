@@ -3,8 +3,11 @@
 Start-up: the server listens at once with health NOT_SERVING, connects to the engines
 and loads the tokenizer (from --tokenizer, or fetched from the first connected engine).
 Health is SERVING while the tokenizer is loaded and at least one engine is connected,
-NOT_SERVING otherwise. Shutdown (SIGTERM/SIGINT): NOT_SERVING at once, no new calls,
-in-flight calls get up to ``shutdown_timeout`` seconds to finish, then the server stops.
+NOT_SERVING otherwise. An engine model without tokenizer.json is said once, at ERROR,
+with what to do (--tokenizer DIR); calls get FAILED_PRECONDITION with the same words, and
+the engines are asked again with backoff. Shutdown (SIGTERM/SIGINT): NOT_SERVING at once,
+no new calls, in-flight calls get up to ``shutdown_timeout`` seconds to finish, then the
+server stops.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from grpc_reflection.v1alpha import reflection
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine.client import engine_credentials
 from frontend_svc.engine.router import EngineRouter
+from frontend_svc.engine.routing import RoutingPolicy
 from frontend_svc.service import servicer as generate
+from frontend_svc.service.flow import InFlightCalls
 from frontend_svc.service.malformed import MalformedRequestInterceptor
 from frontend_svc.service.metrics import FrontendMetrics
+from frontend_svc.service.planning import RequestLimits
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, write_ready_file
@@ -33,7 +39,12 @@ from tandem_common.tracing import setup_tracing
 logger = logging.getLogger(__name__)
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-TOKENIZER_RETRY_S = 1.0
+TOKENIZER_RETRY_S = 1.0  # first retry of a failed tokenizer fetch; doubles up to the cap
+TOKENIZER_RETRY_CAP_S = 60.0
+
+
+class MissingTokenizerError(Exception):
+    """The engines hand out no tokenizer.json: the frontend cannot tokenize until its operator acts."""
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -93,14 +104,22 @@ class FrontendServer:
             dns_refresh_s=config.dns_refresh_s,
             credentials=credentials,
             max_message_bytes=config.max_message_bytes,
+            stall_timeout_s=config.engine_stall_timeout_s,
+            policy=RoutingPolicy(config.routing_policy),
+            load_threshold_tokens=config.routing_load_threshold,
         )
         self.metrics = FrontendMetrics()
+        self.metrics.watch_engines(self.router.engine_figures)
         self.tracer_provider = setup_tracing("tandem-frontend", config.otlp_endpoint)  # None: tracing off
         tracer = self.tracer_provider.get_tracer("frontend_svc") if self.tracer_provider is not None else None
         self.servicer = generate.GenerateServiceServicer(
             self.router,
-            max_n=config.max_n,
-            max_stop_strings=config.max_stop_strings,
+            limits=RequestLimits(
+                max_n=config.max_n,
+                max_stop_strings=config.max_stop_strings,
+                max_stop_string_chars=config.max_stop_string_chars,
+            ),
+            calls=InFlightCalls(config.max_concurrent_calls, config.stalled_client_timeout_s),
             stream_interval=config.stream_interval,
             metrics=self.metrics,
             tracer=tracer,
@@ -144,16 +163,18 @@ class FrontendServer:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
         logger.info(
-            "listening on %s:%d (%s%s)",
+            "listening on %s:%d (%s%s), routing %s",
             cfg.host,
             self.port,
             "TLS" if cfg.tls_cert else "plaintext",
             ", API keys required" if keys else "",
+            cfg.routing_policy,
         )
         self._write_ready_file(serving=False)
         if cfg.metrics_port:
-            self.metrics.serve(cfg.metrics_port)
-            logger.info("metrics on :%d/metrics", cfg.metrics_port)
+            host = (cfg.metrics_host or cfg.host).strip("[]")  # never wider than the service itself
+            self.metrics.serve(cfg.metrics_port, host)
+            logger.info("metrics on http://%s:%d/metrics", host, cfg.metrics_port)
         self.router.add_listener(self._health_changed.set)
         self._tasks.append(asyncio.create_task(self._keep_health(), name="health"))
         await self.router.start()
@@ -171,6 +192,7 @@ class FrontendServer:
             await self._health_changed.wait()
             self._health_changed.clear()
             self.metrics.engines_connected.set(self.router.num_connected)
+            self.metrics.engines_refused.set(self.router.num_refused)
             now = self.router.healthy and self.servicer.tokenizer is not None and not self._stopping.is_set()
             if now != serving:
                 serving = now
@@ -184,16 +206,36 @@ class FrontendServer:
                 )
 
     async def _fetch_tokenizer(self) -> None:
+        delay, said = TOKENIZER_RETRY_S, None
         while True:
             await self.router.wait_connected()
             try:
                 files = await self.router.fetch_tokenizer_files()
+                if "tokenizer.json" not in files:
+                    raise MissingTokenizerError(
+                        "this frontend has no tokenizer: the engines' model directory has no tokenizer.json (they "
+                        f"hand out {', '.join(sorted(files)) or 'no tokenizer files'}). Its operator must restart it "
+                        "with --tokenizer DIR, DIR holding the model's tokenizer.json (a Hugging Face tokenizer "
+                        "directory), or add tokenizer.json to the engines' model directory"
+                    )
                 tokenizer = await asyncio.to_thread(Tokenizer.from_files, files)
             except Exception as e:  # noqa: BLE001 - keep trying; health stays NOT_SERVING meanwhile
-                logger.warning("cannot load the tokenizer from the engines: %s; retrying", e)
-                await asyncio.sleep(TOKENIZER_RETRY_S)
+                permanent = isinstance(e, MissingTokenizerError)
+                self.servicer.tokenizer_problem = str(e) if permanent else None
+                # Said once (and again when it changes), then retried quietly with backoff.
+                if str(e) != said:
+                    said = str(e)
+                    if permanent:
+                        logger.error("%s", e)
+                    else:
+                        logger.warning("cannot load the tokenizer from the engines: %s; retrying", e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, TOKENIZER_RETRY_CAP_S)
                 continue
+            self.servicer.tokenizer_problem = None
             self.servicer.set_tokenizer(tokenizer)
+            if said is not None:
+                logger.info("tokenizer loaded from the engines")
             self._health_changed.set()
             return
 
@@ -211,6 +253,7 @@ class FrontendServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.servicer.calls.close()
         await self.router.close()
         if self.tracer_provider is not None:
             await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the last spans

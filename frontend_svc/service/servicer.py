@@ -1,29 +1,46 @@
 """The public API, tandem.generate.v1.GenerateService: each call planned, routed, streamed.
 
-    GenerateRequest ── convert ──▶ GenerateInput ── planning ──▶ Plan ── router.pick(), add() ──▶ engine
+    GenerateRequest ── sizes checked ── convert ──▶ GenerateInput ── planning ──▶ Plan
+                    ── router.route(), add() ──▶ engine
     engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
-           ── convert ──▶ GenerateResponse (streamed)
+           ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
 
 Errors follow the proto's contract: a RequestError ends the call with the gRPC status its
 ErrorCode names (INVALID_ARGUMENT names the field), UNAVAILABLE when no engine can serve
-or the serving one went away; engine in-band errors pass through with their own code. A
-draining engine that refuses before anything was sent is retried once on another engine.
+or the serving one went away; engine in-band errors pass through with their own code. An
+engine that refuses (draining) or fails (dies, hangs) before anything was streamed to the
+client gets the call retried once on another engine: the client cannot tell.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 import uuid
 
 import grpc
 
-from frontend_svc.engine.router import EngineRouter
-from frontend_svc.engine.types import EngineUnavailableError, ModelInfo
+from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
+from frontend_svc.engine.types import EngineRequestTooLargeError, EngineUnavailableError, ModelInfo
 from frontend_svc.service import convert
+from frontend_svc.service.flow import Call, InFlightCalls
 from frontend_svc.service.metrics import FrontendMetrics
-from frontend_svc.service.planning import Plan, RequestError, check_ids, invalid, plan_generate, render_chat
+from frontend_svc.service.planning import (
+    MAX_DETOKENIZE_IDS,
+    Plan,
+    RequestError,
+    RequestLimits,
+    check_ids,
+    check_num_messages,
+    check_sizes,
+    encode_prompt,
+    invalid,
+    plan_generate,
+    render_chat,
+)
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
 from frontend_svc.text.output_processor import ChoiceProcessor, TokenTexts
@@ -47,20 +64,24 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         self,
         router: EngineRouter,
         *,
-        max_n: int = 16,
-        max_stop_strings: int = 16,
+        limits: RequestLimits | None = None,
+        calls: InFlightCalls | None = None,
         stream_interval: int = 1,
         metrics: FrontendMetrics | None = None,
         tracer=None,
     ) -> None:
         self.router = router
         self.stream_interval = stream_interval
-        self.max_n = max_n
-        self.max_stop_strings = max_stop_strings
+        self.limits = limits if limits is not None else RequestLimits()
+        self.calls = calls if calls is not None else InFlightCalls()
         self.metrics = metrics or FrontendMetrics()
         self.tracer = tracer  # None: tracing is off and no span is ever made
         self.tokenizer: Tokenizer | None = None
+        self.tokenizer_problem: str | None = None  # why there is no tokenizer, when it is for good
         self._texts: TokenTexts | None = None
+        # Long tokenizations run on worker threads, at most one per core at once: more would
+        # not finish sooner, and each holds ~100 bytes of memory per character of text.
+        self._heavy = asyncio.Semaphore(os.cpu_count() or 1)
 
     def set_tokenizer(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -68,46 +89,73 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     # -- Generate ---------------------------------------------------------------------------
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         stats = GenerateStats(self.metrics, self.tracer, context, request.request_id)
         code, message = grpc.StatusCode.CANCELLED, ""
+        call: Call | None = None
         try:
+            call = self.calls.enter()
             tokenizer, info = self._ready()
-            plan = await _off_loop(request, self._plan, request, tokenizer, info)
+            check_sizes(convert.request_sizes(request), self.limits, info)
+            plan = await self._off_loop(request, self._plan, request, tokenizer, info)
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
-            sent, tried = False, []
-            while True:
-                client = self.router.pick(exclude=tried)
-                try:
-                    async for response in self._stream(plan, client, request, context, stats):
-                        sent = True
-                        yield response
-                    break
-                except EngineRefused as e:
-                    # A draining engine refused before anything was sent: try another one once.
-                    if sent or tried:
-                        raise
-                    logger.info(
-                        "engine %s refused %s (%s); trying another engine", client.address, request.request_id or "-", e
-                    )
-                    tried.append(client)
+            await self._serve(plan, call, request, context, stats)
             code = grpc.StatusCode.OK
         except RequestError as e:
             code, message = _status(e.code), str(e)
         except EngineUnavailableError as e:
             code, message = grpc.StatusCode.UNAVAILABLE, str(e)
+        except asyncio.CancelledError:
+            if call is None or not call.stalled:
+                code = _ended_by_client(context)
+                raise
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.stalled_message()
         finally:
+            if call is not None:
+                self.calls.leave(call)
             stats.end(code, message)  # metrics, span, the request's log line
-        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        if code is not grpc.StatusCode.OK:
             await context.abort(code, message)
 
     def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
-        return plan_generate(
-            convert.generate_input(request), tokenizer, info, max_n=self.max_n, max_stop_strings=self.max_stop_strings
-        )
+        return plan_generate(convert.generate_input(request), tokenizer, info, self.limits)
 
-    async def _stream(self, plan: Plan, client, request, context, stats: GenerateStats):
+    async def _serve(self, plan: Plan, call: Call, request, context, stats: GenerateStats) -> None:
+        """Streams the plan's responses from one engine, or from a second one when the first
+        refuses or fails before anything was written to the client."""
+        # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
+        prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
+        sent, tried = False, []
+        failure: Exception | None = None
+        while True:
+            try:
+                route = await self.router.route(prompt, exclude=tried)
+                client = route.client
+            except EngineUnavailableError:
+                if failure is not None:  # the retry found no engine: the first failure says more
+                    raise failure from None
+                raise
+            try:
+                async with contextlib.aclosing(self._stream(plan, route, request, context, stats)) as responses:
+                    async for response in responses:
+                        sent = True
+                        await call.write(context, response)
+                return
+            except (EngineRefused, EngineUnavailableError) as e:
+                if sent or tried:
+                    raise
+                logger.info(
+                    "engine %s failed %s before anything was streamed (%s); trying another engine",
+                    client.address,
+                    stats.request_id or "-",
+                    e,
+                )
+                tried.append(client)
+                failure = e
+
+    async def _stream(self, plan: Plan, route: Route, request, context, stats: GenerateStats):
+        client = route.client
         wakeup = asyncio.Event()
         handles = []
         choices = [
@@ -124,7 +172,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         try:
             arrival = time.time()
             rids = [uuid.uuid4().hex for _ in range(plan.n)]
-            trace_context = stats.routed(client.address, rids)
+            trace_context = stats.routed(client.address, rids, route.reason.value, route.predicted_cached_tokens)
+            num_prefill_tokens = len(plan.prompt_token_ids) - (route.predicted_cached_tokens or 0)
             for i, rid in enumerate(rids):
                 handles.append(
                     client.add(
@@ -136,11 +185,12 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                         arrival_time=arrival,
                         wakeup=wakeup,
                         stream_interval=self.stream_interval,
+                        num_prefill_tokens=num_prefill_tokens,
                     )
                 )
             logger.debug(
                 "Generate %s -> engine %s as %s",
-                request.request_id or "-",
+                stats.request_id,
                 client.address,
                 ",".join(h.request_id for h in handles),
             )
@@ -162,14 +212,17 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                     piece = choices[i].process(out)
                     if piece is None:
                         continue
-                    if piece.abort_engine:
-                        handles[i].abort()
+                    if piece.abort_engine:  # a stop string ended it: the engine counts a stop
+                        handles[i].abort(stop_string=True)
                     if piece.finished:
                         unfinished.discard(i)
                     stats.piece(piece)
                     yield convert.generate_response(piece, plan.text.return_token_ids)
+        except EngineRequestTooLargeError as e:
+            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
             abort_unfinished()
+            stats.generated(sum(c.num_output_tokens for c in choices))
 
     def _ready(self) -> tuple[Tokenizer, ModelInfo]:
         info = self.router.model_info
@@ -183,28 +236,39 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
             tokenizer = self._tokenizer()
+            info = self.router.model_info
+            max_model_len = info.max_model_len if info is not None else None
             which = request.WhichOneof("input")
             if which == "text":
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = await _off_loop(request, tokenizer.encode, request.text, add_special)
+                ids = await self._off_loop(
+                    request, encode_prompt, "text", request.text, tokenizer, max_model_len, add_special
+                )
             elif which == "messages":
-                ids = await _off_loop(request, lambda: render_chat(convert.chat(request.messages), tokenizer))
+                check_num_messages("messages.messages", len(request.messages.messages))
+                ids = await self._off_loop(
+                    request, lambda: render_chat(convert.chat(request.messages), tokenizer, max_model_len)
+                )
             else:
                 raise invalid("input", "set text or messages")
         except RequestError as e:
             await context.abort(_status(e.code), str(e))
-        tokens = await _off_loop(request, lambda: [self._texts(t) for t in ids])
+        tokens = await self._off_loop(request, lambda: [self._texts(t) for t in ids])
         return generate_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     @traced("Detokenize")
     async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
         try:
             tokenizer = self._tokenizer()
-            await _off_loop(request, check_ids, "token_ids", request.token_ids, tokenizer.vocab_size)
+            if len(request.token_ids) > MAX_DETOKENIZE_IDS:
+                raise invalid(
+                    "token_ids", f"at most {MAX_DETOKENIZE_IDS} ids are allowed, got {len(request.token_ids)}"
+                )
+            await self._off_loop(request, check_ids, "token_ids", request.token_ids, tokenizer.vocab_size)
         except RequestError as e:
             await context.abort(_status(e.code), str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await _off_loop(request, tokenizer.decode, list(request.token_ids), skip)
+        text = await self._off_loop(request, tokenizer.decode, list(request.token_ids), skip)
         return generate_pb2.DetokenizeResponse(text=text)
 
     @traced("GetModelInfo")
@@ -220,20 +284,36 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
+            if self.tokenizer_problem is not None:
+                raise RequestError(ErrorCode.FAILED_PRECONDITION, self.tokenizer_problem)
             raise RequestError(ErrorCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
         return self.tokenizer
 
+    async def _off_loop(self, request, fn, *args):
+        """``fn(*args)`` on a worker thread when the request is large (see _OFF_LOOP_BYTES)."""
+        if request.ByteSize() <= _OFF_LOOP_BYTES:
+            return fn(*args)
+        async with self._heavy:
+            return await asyncio.to_thread(fn, *args)
 
-# Requests larger than this (serialized) are tokenized on a worker thread, where long
-# inputs release the GIL (see text/tokenizer.py): one huge prompt must not stall the event
-# loop, and with it every other call, stream and health check, for seconds.
-_OFF_LOOP_BYTES = 64 * 1024
+
+# Requests larger than this (serialized) are tokenized on a worker thread, where inputs
+# this long release the GIL (text/tokenizer.py, _LONG_INPUT): one long prompt must not
+# stall the event loop, and with it every other call, stream and health check. Below it
+# tokenizing takes well under a millisecond.
+_OFF_LOOP_BYTES = 4096
 
 
-async def _off_loop(request, fn, *args):
-    if request.ByteSize() > _OFF_LOOP_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
+def _ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """How a call that the client ended did end: its deadline passed (gRPC cancels the
+    handler then, as for a cancel), or it was cancelled."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining < _DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
+_DEADLINE_SLACK_S = 0.05  # gRPC's deadline timer and the clock time_remaining() reads may disagree a little
 
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name

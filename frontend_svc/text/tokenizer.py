@@ -102,6 +102,11 @@ class Tokenizer:
         self._chat_template_source = chat_template
         self._compiled_template: jinja2.Template | None = None
 
+        # Characters of the longest vocabulary entry, added tokens included: no token stands
+        # for more characters of normalized text (a byte-level entry has one character per
+        # byte of text, a SentencePiece byte token "<0xNN>" six for one byte).
+        self.max_token_chars: int = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1)
+
     # ------------------------------------------------------------------ loading
 
     @classmethod
@@ -168,6 +173,12 @@ class Tokenizer:
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
+
+    def normalized_len(self, text: str) -> int:
+        """Length of ``text`` after the tokenizer's normalizer (e.g. NFC), which runs before
+        the text is cut into tokens."""
+        normalizer = self.backend.normalizer
+        return len(text) if normalizer is None else len(normalizer.normalize_str(text))
 
     # ------------------------------------------------------------------ chat
 

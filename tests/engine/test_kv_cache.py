@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_svc.sched.kv_cache import KVCacheManager, hash_block
+from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams
 
@@ -82,12 +82,6 @@ def test_prefix_hit_follows_the_hash_chain():
     kv.free(a)
     assert [kv.blocks[b].ref_count for b in table_a[:2]] == [1, 1]
     assert kv.num_used_blocks == 3
-
-
-def test_hash_is_chained_over_the_parent():
-    first = hash_block(None, [1, 2, 3, 4])
-    assert hash_block(first, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
-    assert hash_block(first, [5, 6, 7, 8]) == hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8])
 
 
 def test_hit_never_covers_every_token():
@@ -209,3 +203,55 @@ def test_recompute_after_free_hits_its_own_blocks_including_outputs():
     a.num_computed_tokens = 0
     # 7 tokens: one full block covers prompt and outputs alike.
     assert kv.get_computed_blocks(a) == (table[:1], 4)
+
+
+# -- prefix-cache events ---------------------------------------------------------------------
+
+
+def test_no_events_are_recorded_without_a_subscriber():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    compute(kv, make_request("a", list(range(9))))
+    assert kv.events is None
+
+
+def test_events_record_stored_chains_and_evictions_in_order():
+    from engine_svc.sched.kv_events import KvEventLog
+    from tandem_common.block_hash import hash_blocks
+    from tandem_common.kv_events import BlocksRemoved, BlocksStored
+
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    kv.events = KvEventLog()
+    a = make_request("a", list(range(9)))  # two full blocks and one token
+    compute(kv, a)
+    ha = hash_blocks(a.all_token_ids, BS)
+    assert kv.events.take() == [BlocksStored(tuple(ha), None)]
+    # A request hitting a's first block stores only its own second block, chained to a's first.
+    b = make_request("b", [0, 1, 2, 3, 40, 41, 42, 43, 44])
+    kv.free(a)
+    compute(kv, b)
+    hb = hash_blocks(b.all_token_ids, BS)
+    assert hb[0] == ha[0]
+    # b takes 2 free blocks: a's partial block, then a's second block, which is evicted.
+    assert kv.events.take() == [BlocksRemoved((ha[1],)), BlocksStored((hb[1],), ha[0])]
+    assert kv.events.take() == []
+    assert set(kv._cached) == {ha[0], hb[1]}
+
+
+def test_split_events_bounds_batches_and_keeps_the_chain():
+    from engine_svc.sched.kv_events import snapshot_events, split_events
+    from tandem_common.kv_events import BlocksRemoved, BlocksStored, CacheSnapshot, num_hashes
+
+    h = [bytes([i]) * 32 for i in range(7)]
+    events = [BlocksStored(tuple(h[:5]), None), BlocksRemoved(tuple(h[5:]))]
+    batches = split_events(events, 2)
+    assert [num_hashes(b) for b in batches] == [2, 2, 2, 1]
+    assert batches[0] == [BlocksStored((h[0], h[1]), None)]
+    assert batches[1] == [BlocksStored((h[2], h[3]), h[1])]
+    assert batches[2] == [BlocksStored((h[4],), h[3]), BlocksRemoved((h[5],))]
+    assert batches[3] == [BlocksRemoved((h[6],))]
+    assert split_events([], 2) == []
+
+    parts = snapshot_events(h[:5], 2)
+    assert [p[0].block_hashes for p in parts] == [tuple(h[:2]), tuple(h[2:4]), (h[4],)]
+    assert [(p[0].first, p[0].last) for p in parts] == [(True, False), (False, False), (False, True)]
+    assert snapshot_events([], 2) == [[CacheSnapshot((), first=True, last=True)]]

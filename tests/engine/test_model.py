@@ -252,8 +252,8 @@ def test_runner_properties(llama_dir, tmp_path):
     d = _copy_dir(llama_dir, tmp_path / "m")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert make_runner(d).eos_token_ids == (2, 7)
-    with pytest.raises(ValueError, match="num_kv_blocks or kv_cache_bytes"):
-        make_runner(llama_dir, num_kv_blocks=None)
+    # No size given: max_num_seqs requests of max_model_len (1024 / 8 blocks each) fit.
+    assert make_runner(llama_dir, num_kv_blocks=None, max_num_seqs=3).num_kv_blocks == 3 * 1024 // BLOCK_SIZE
 
 
 def test_warmup(runner):

@@ -220,6 +220,50 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
     assert 3 not in token_ids and 4 not in token_ids
 
 
+class _CountingList(list):
+    """A list that counts how often it is walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        _CountingList.walks += 1
+        return super().__iter__()
+
+
+class _CountingDict(dict):
+    walks = 0
+
+    def items(self):
+        _CountingDict.walks += 1
+        return super().items()
+
+    def __iter__(self):
+        _CountingDict.walks += 1
+        return super().__iter__()
+
+
+def test_long_stop_and_bias_lists_are_read_once_per_request_not_per_step():
+    """Issue 18 item 1: a request with thousands of stop ids must not cost every step a
+    walk over them (which also slowed every other request of the batch)."""
+    vocab = 4096
+    sampler = make_sampler(vocab)
+    stops = _CountingList(range(100, 3100))
+    bias = _CountingDict({t: -1.0 for t in range(200, 2200)})
+    request = make_request("big", eos=(3,), min_tokens=50, stop_token_ids=stops, logit_bias=bias)
+    neighbour = make_request("small", temperature=0.0)
+    logits = torch.zeros(2, vocab)
+    logits[:, 150] = 5.0  # a stop token: masked while min_tokens is not reached
+    _CountingList.walks = _CountingDict.walks = 0
+    for _ in range(10):
+        token_ids = sampler.sample(logits, [request, neighbour]).token_ids
+        assert token_ids[0] != 150 and token_ids[1] == 150
+        request.append_output_token(token_ids[0])
+    assert (_CountingList.walks, _CountingDict.walks) == (1, 1)
+    sampler.forget(["big"])  # a preempted request is read again when it comes back
+    sampler.sample(logits, [request, neighbour])
+    assert (_CountingList.walks, _CountingDict.walks) == (2, 2)
+
+
 def test_penalties_match_hand_computed_reference():
     sampler = make_sampler(6)
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]] * 4)

@@ -7,6 +7,8 @@ from frontend_svc.config import FrontendConfig, build_parser
 FLAGS = [
     "--engine",
     "--dns-refresh-s",
+    "--routing",
+    "--routing-load-threshold",
     "--host",
     "--port",
     "--tokenizer",
@@ -25,6 +27,11 @@ FLAGS = [
     "--max-stop-strings",
     "--max-n",
     "--shutdown-timeout",
+    "--max-stop-string-chars",
+    "--max-concurrent-calls",
+    "--stalled-client-timeout-s",
+    "--engine-stall-timeout-s",
+    "--metrics-host",
 ]
 
 
@@ -38,6 +45,7 @@ def test_help_lists_every_flag():
     text = parser.format_help()
     for flag in FLAGS:
         assert flag in text, flag
+    assert "(default: None)" not in text  # a flag without a default says nothing about one
 
 
 def test_defaults():
@@ -46,6 +54,8 @@ def test_defaults():
     assert (c.host, c.port, c.metrics_port, c.dns_refresh_s) == ("127.0.0.1", 50050, 0, 10.0)
     assert (c.max_stop_strings, c.max_n, c.tokenizer, c.api_keys) == (16, 16, None, [])
     assert c.log_format == "text" and not c.engine_tls
+    assert (c.max_stop_string_chars, c.max_concurrent_calls, c.stalled_client_timeout_s) == (1024, 1024, 30.0)
+    assert (c.engine_stall_timeout_s, c.metrics_host) == (10.0, None)
     assert c.check() == []
 
 
@@ -74,3 +84,31 @@ def test_check_reports_unusable_combinations():
     problems = parse("--engine", "a:1", "--tls-cert", "c.pem", "--engine-tls-key", "k.pem", "--max-n", "0").check()
     assert len(problems) == 3
     assert parse("--engine", "a:1", "--engine-tls-ca", "ca.pem").engine_tls
+
+
+def test_limits_and_timeouts_are_checked():
+    problems = parse(
+        "--engine",
+        "a:1",
+        "--max-stop-string-chars",
+        "0",
+        "--max-concurrent-calls",
+        "-1",
+        "--stalled-client-timeout-s",
+        "-1",
+        "--engine-stall-timeout-s",
+        "0",
+    ).check()
+    assert len(problems) == 4, problems
+    assert parse("--engine", "a:1", "--max-concurrent-calls", "0", "--stalled-client-timeout-s", "0").check() == []
+
+
+def test_routing_defaults_to_prefix_only_when_there_can_be_several_engines():
+    assert parse("--engine", "a:1").routing_policy == "least-load"
+    assert parse("--engine", "a:1", "--engine", "b:1").routing_policy == "prefix"
+    assert parse("--engine", "dns:///engines.ns.svc:50051").routing_policy == "prefix"
+    assert parse("--engine", "a:1", "--routing", "prefix").routing_policy == "prefix"
+    assert parse("--engine", "a:1", "--engine", "b:1", "--routing", "least-load").routing_policy == "least-load"
+    c = parse("--engine", "a:1", "--routing-load-threshold", "-1")
+    assert c.routing_load_threshold == -1 and any("--routing-load-threshold" in p for p in c.check())
+    assert parse("--engine", "a:1").routing_load_threshold == 2048

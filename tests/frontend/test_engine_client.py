@@ -6,12 +6,14 @@ for one that sends damaged ones.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import grpc
 import pytest
 
 from frontend_svc.engine.client import EngineClient
+from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 
@@ -68,3 +70,33 @@ async def test_damaged_files_are_refused(serve, damage, message):
     client = await serve(TokenizerOnlyEngine(damage))
     with pytest.raises(ValueError, match=message):
         await client.fetch_tokenizer_files()
+
+
+class RejectingEngine(engine_pb2_grpc.EngineServiceServicer):
+    """Answers every add with a rejection of its id (as an engine does for a duplicate id)
+    and then the request's own output, which finishes it."""
+
+    async def GetModelInfo(self, request, context):
+        return pb.GetModelInfoResponse(model_name="m", max_model_len=64, vocab_size=100)
+
+    async def Stream(self, request_iterator, context):
+        async for msg in request_iterator:
+            if msg.WhichOneof("action") == "add":
+                rid = msg.add.request_id
+                error = pb.Error(code=pb.ERROR_CODE_INVALID_ARGUMENT, message="already in flight", field="request_id")
+                yield pb.StreamResponse(rejected=[pb.RejectedAdd(request_id=rid, error=error)])
+                yield pb.StreamResponse(
+                    outputs=[pb.RequestOutput(request_id=rid, new_token_ids=[7], finish_reason=pb.FINISH_REASON_LENGTH)]
+                )
+
+
+async def test_a_rejected_add_is_logged_and_never_ends_the_live_request(serve, caplog):
+    client = await serve(RejectingEngine())
+    for _ in range(200):
+        if client.connected:
+            break
+        await asyncio.sleep(0.05)
+    handle = client.add("r1", [1, 2], SamplingParams(max_tokens=1))
+    outputs = [out async for out in handle]
+    assert [(o.new_token_ids, o.error) for o in outputs] == [([7], None)]  # the rejection was not delivered
+    assert "rejected an add for r1: already in flight" in caplog.text

@@ -1,4 +1,4 @@
-"""EngineRouter: target parsing, least-outstanding-work choice, DNS discovery and retirement."""
+"""EngineRouter: target parsing, least-load and prefix-aware choice, DNS discovery and retirement."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import pytest
 from frontend_svc.engine.client import EngineClient
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, parse_dns_target
-from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError
+from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError, ModelInfo
+from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
+from tandem_common.sampling import SamplingParams
 from tandem_common.types import FinishReason
+from tandem_protos.tandem.engine.v1 import engine_pb2
 
 
 def test_parse_dns_target():
@@ -25,29 +28,44 @@ def test_parse_dns_target():
 
 
 def _client(
-    router: EngineRouter, address: str, *, running=0, waiting=0, outstanding=0, connected=True, draining=False
+    router: EngineRouter,
+    address: str,
+    *,
+    used_blocks=0,
+    waiting_tokens=0,
+    connected=True,
+    draining=False,
+    block_size=16,
+    algorithm=BLOCK_HASH_ALGORITHM,
 ) -> EngineClient:
-    client = EngineClient(address)  # never started: its figures are set by hand
+    client = EngineClient(address, index=router.index)  # never started: its figures are set by hand
     client.connected = connected
-    client.load = EngineLoad(num_running=running, num_waiting=waiting, draining=draining)
-    for i in range(outstanding):
-        client._requests[f"{address}-{i}"] = RequestHandle(f"{address}-{i}", client, None)
+    client.model_info = ModelInfo("m", 2048, 2048, block_size=block_size, block_hash_algorithm=algorithm)
+    client.load = EngineLoad(num_used_blocks=used_blocks, num_waiting_tokens=waiting_tokens, draining=draining)
     router._clients[address] = client
     return client
 
 
-def test_pick_takes_least_outstanding_work_among_available_engines():
+def _send(client: EngineClient, request_id: str, num_tokens: int) -> None:
+    """A request sent by this frontend (the stream is faked: no engine behind it)."""
+    client._outbox, client.connected = asyncio.Queue(), True
+    client.add(request_id, [1] * num_tokens, SamplingParams())
+
+
+def test_pick_takes_the_least_queued_and_running_tokens_among_available_engines():
     router = EngineRouter([])
-    _client(router, "a:1", running=4, waiting=2)
-    b = _client(router, "b:1", running=1, outstanding=2)
+    a = _client(router, "a:1", used_blocks=6, waiting_tokens=32)  # 6 x 16 + 32 = 128 tokens
+    b = _client(router, "b:1", used_blocks=1, waiting_tokens=40)  # 56 tokens
     _client(router, "c:1", connected=False)
     _client(router, "d:1", draining=True)
+    assert (a.load_tokens, b.load_tokens) == (128, 56)
     assert router.pick() is b
     assert router.healthy and router.num_connected == 3
-    # Our own in-flight requests count at once, before the engine reports them.
-    for i in range(4):
-        b._requests[f"x{i}"] = RequestHandle(f"x{i}", b, None)
-    assert router.pick().address == "a:1"
+    # Our own requests count at once, by their prompt tokens, until their first output.
+    _send(b, "x", 100)
+    assert b.load_tokens == 156 and router.pick() is a
+    b._on_response(engine_pb2.StreamResponse(outputs=[engine_pb2.RequestOutput(request_id="x", new_token_ids=[5])]))
+    assert b.load_tokens == 56 and router.pick() is b
 
 
 def test_pick_without_available_engine_is_unavailable():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -230,3 +231,19 @@ def test_cost_per_delta(capsys):
     with capsys.disabled():
         print(f"\n[stop_checker] {us:.1f} us/delta over {len(deltas)} deltas")
     assert us < 30
+
+
+def test_stop_strings_cost_memory_linear_in_their_length():
+    """The longest stop list allowed: 16 stops of 1024 characters. Holding back by a set of
+    every prefix of every stop took ~8 M characters (16 x 1024^2 / 2) for it."""
+    stops = [f"{i:04d}" + "xy" * 510 for i in range(16)]
+    text = ["xy" * 2] * 600
+    tracemalloc.start()
+    try:
+        checker = StopChecker(stops)
+        released = "".join(checker.process(d)[0] for d in text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert released == "xy" * 1200
+    assert peak < 1 << 20, f"{peak / 2**20:.1f} MiB"

@@ -99,6 +99,7 @@ EVERYTHING_VALUES: dict[str, Any] = {
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
         },
         "preStopSleepSeconds": 0,
+        "routing": {"policy": "least-load", "loadThresholdTokens": 4096},
         "extraArgs": ["--tokenizer", "/tokenizer"],
         "affinity": {
             "podAntiAffinity": {

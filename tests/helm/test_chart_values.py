@@ -134,6 +134,17 @@ def test_engine_flags_from_values(chart):
     assert "--kv-cache-bytes" not in args and "--dtype" not in args
 
 
+def test_frontend_routing_flags_from_values(chart):
+    args = container(find(render(chart), "Deployment", FRONTEND))["args"]
+    assert flag(args, "--routing") == ["prefix"] and "--routing-load-threshold" not in args
+    values = {"frontend": {"routing": {"policy": "least-load", "loadThresholdTokens": 16384}}}
+    args = container(find(render(chart, values), "Deployment", FRONTEND))["args"]
+    assert flag(args, "--routing") == ["least-load"] and flag(args, "--routing-load-threshold") == ["16384"]
+    args = container(find(render(chart, {"frontend": {"routing": {"policy": ""}}}), "Deployment", FRONTEND))["args"]
+    assert "--routing" not in args
+    assert "/frontend/routing/policy" in render_error(chart, {"frontend": {"routing": {"policy": "random"}}})
+
+
 def test_unset_engine_sizes_keep_engine_defaults(chart):
     args = container(find(render(chart), "Deployment", ENGINE))["args"]
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--max-waiting", "--block-size", "--num-kv-blocks"):

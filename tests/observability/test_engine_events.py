@@ -107,10 +107,16 @@ def test_a_refused_request_still_gets_a_span_with_an_error(traced, core):
 def test_closing_the_stream_ends_the_spans_as_aborted(traced):
     loop, exporter = traced
     first_output = threading.Event()
-    sid = loop.open_stream(lambda outs, load: first_output.set())
-    loop.add(sid, AddCommand("long", list(range(1, 11)), SamplingParams(max_tokens=1000, ignore_eos=True)))
+
+    def sink(outs, load) -> None:
+        if not first_output.is_set():  # close on the first output: applied before the next step
+            first_output.set()
+            loop.close_stream(sid)
+
+    sid = loop.open_stream(sink)
+    # 10 + 54 tokens: as many as the 4 blocks of 16 hold, so it is admitted.
+    loop.add(sid, AddCommand("long", list(range(1, 11)), SamplingParams(max_tokens=54, ignore_eos=True)))
     assert first_output.wait(30)
-    loop.close_stream(sid)
     for _ in range(200):
         if exporter.get_finished_spans():
             break

@@ -16,7 +16,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.service.server import EngineServer
 from frontend_svc.config import FrontendConfig
 from frontend_svc.service.server import FrontendServer
-from tandem_common.tracing import ENDPOINT_VARIABLES
+from tandem_common.tracing import ENDPOINT_VARIABLES, EXPORTER_VARIABLE
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tests.rpc.frontend_calls import generate, stub_of
 
@@ -50,7 +50,7 @@ def test_the_span_counter_sees_no_op_spans(span_count):
 
 
 async def test_no_span_is_created_when_tracing_is_off(demo_model_dir, span_count, monkeypatch):
-    for name in ENDPOINT_VARIABLES:
+    for name in (*ENDPOINT_VARIABLES, EXPORTER_VARIABLE):
         monkeypatch.delenv(name, raising=False)
     engine = EngineServer(EngineConfig(model=str(demo_model_dir), port=0, num_kv_blocks=64))
     frontend = None

@@ -76,8 +76,8 @@ async def test_messages_over_the_size_limit_are_resource_exhausted(limited):
             ("Received", lambda: generate(stub, text=over)),
             ("Received", lambda: stub.Tokenize(g.TokenizeRequest(text=over))),
             ("Received", lambda: stub.Detokenize(g.DetokenizeRequest(token_ids=[2000] * (LIMIT // 2)))),
-            # A request under the limit whose answer is over it (ids plus their texts).
-            ("Sent", lambda: stub.Tokenize(g.TokenizeRequest(text="a b " * (LIMIT // 5)))),
+            # A request under the limit whose answer is over it (id 2000 is " building").
+            ("Sent", lambda: stub.Detokenize(g.DetokenizeRequest(token_ids=[2000] * (LIMIT // 4)))),
         ]
         for direction, call in calls:
             with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -99,25 +99,40 @@ async def test_messages_over_the_size_limit_are_resource_exhausted(limited):
     await wait_health(frontend, SERVING, timeout=5)
 
 
-async def test_a_huge_prompt_does_not_stall_other_calls(shared):
-    """A 1.6 MB prompt (within the size limit, far over the context) takes seconds to tokenize;
-    the frontend must answer other calls meanwhile, then refuse it with INVALID_ARGUMENT."""
+async def test_a_huge_prompt_is_refused_before_it_is_tokenized(shared):
+    """Prompts that cannot fit the 2048-token context are refused from their length alone:
+    text (no token of the demo model stands for more than 17 characters), chat messages
+    (their rendered text), token ids (before a single id is looked at). Tokenizing 1.6 MB of
+    text took seconds and ~100 bytes of frontend memory per character; now five such calls
+    at once barely grow the frontend, and other calls go on meanwhile."""
     engine, frontend = shared
+    rss_before = rss_mib(frontend.proc.pid)
+    text = "a b " * 400_000
     async with grpc.aio.insecure_channel(frontend.address, options=BIG_CLIENT) as channel:
         stub = stub_of(channel)
-        huge = asyncio.create_task(generate(stub, text="a b " * 400_000, timeout=120))
-        await asyncio.sleep(0.3)  # it is being tokenized now
+        huge = [asyncio.create_task(generate(stub, text=text, timeout=120)) for _ in range(3)]
+        huge.append(asyncio.ensure_future(stub.Tokenize(g.TokenizeRequest(text=text), timeout=120)))
+        chat = g.ChatMessages(messages=[g.ChatMessage(role="user", content=text)])
+        huge.append(asyncio.create_task(generate(stub, messages=chat, timeout=120)))
         latencies = []
-        while not huge.done() and len(latencies) < 20:
+        while not all(t.done() for t in huge) and len(latencies) < 20:
             t0 = time.monotonic()
             await stub.Tokenize(g.TokenizeRequest(text="hello"), timeout=30)
             latencies.append(time.monotonic() - t0)
             await asyncio.sleep(0.05)
+        for task, field in zip(huge, ["text"] * 4 + ["messages"]):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await task
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = error.value.details()
+            assert details.startswith(f"{field}: the text has ") and "at most 34799 characters can fit" in details
+        # 4 M token ids, the last one outside the vocabulary: the length alone refuses them.
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await huge
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "tokens but the model's context is 2048 tokens" in error.value.details()
-    assert latencies and max(latencies) < 1.0, latencies
+            await generate(stub, token_ids=[5] * 4_000_000 + [10**7], timeout=120)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("token_ids.ids: the prompt has 4000001 tokens but the model's context")
+    assert max(latencies, default=0.0) < 1.0, latencies
+    assert rss_mib(frontend.proc.pid) - rss_before < 100
 
 
 async def test_a_flood_beyond_the_waiting_queue_is_resource_exhausted(limited):

@@ -19,6 +19,8 @@ class Result:
     error: pb.Error | None = None
     num_cached_tokens: int = 0
     num_messages: int = 0
+    num_finishes: int = 0  # the protocol allows exactly one
+    first_output: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -31,6 +33,12 @@ class EngineStream:
         self.results: dict[str, Result] = defaultdict(Result)
         self.foreign_ids: list[str] = []  # outputs for ids this stream never added
         self.loads: list[pb.EngineLoad] = []
+        self.rejected: list[pb.RejectedAdd] = []  # refused duplicate adds
+        self.got_rejection = asyncio.Event()
+        self.message_sizes: list[int] = []  # serialized size of every StreamResponse
+        self.kv_events: list[pb.KvEvent] = []  # prefix-cache events, in arrival order
+        self.kv_hashes_per_message: list[int] = []  # for messages that carried any
+        self.kv_changed = asyncio.Event()  # set whenever kv events arrive
         self.call = self.stub.Stream(self._requests())
         self._reader = asyncio.create_task(self._read())
 
@@ -43,7 +51,17 @@ class EngineStream:
 
     async def _read(self) -> None:
         async for response in self.call:
+            self.message_sizes.append(response.ByteSize())
             self.loads.append(response.load)
+            if response.rejected:
+                self.rejected.extend(response.rejected)
+                self.got_rejection.set()
+            if response.kv_events:
+                self.kv_events.extend(response.kv_events)
+                self.kv_hashes_per_message.append(
+                    sum(len(getattr(e, e.WhichOneof("event")).block_hashes) for e in response.kv_events)
+                )
+                self.kv_changed.set()
             for out in response.outputs:
                 if out.request_id not in self.results:
                     self.foreign_ids.append(out.request_id)
@@ -51,7 +69,9 @@ class EngineStream:
                 r.num_messages += 1
                 r.token_ids.extend(out.new_token_ids)
                 r.num_cached_tokens = max(r.num_cached_tokens, out.num_cached_tokens)
+                r.first_output.set()
                 if out.finish_reason:
+                    r.num_finishes += 1
                     r.finish_reason = out.finish_reason
                     if out.HasField("error"):
                         r.error = out.error
@@ -70,8 +90,11 @@ class EngineStream:
         )
         return result
 
-    def abort(self, *request_ids: str) -> None:
-        self._outbox.put_nowait(pb.StreamRequest(abort=pb.Abort(request_ids=list(request_ids))))
+    def abort(self, *request_ids: str, reason: int = pb.ABORT_REASON_UNSPECIFIED) -> None:
+        self._outbox.put_nowait(pb.StreamRequest(abort=pb.Abort(request_ids=list(request_ids), reason=reason)))
+
+    def subscribe_kv_events(self) -> None:
+        self._outbox.put_nowait(pb.StreamRequest(subscribe_kv_events=pb.SubscribeKvEvents()))
 
     def close(self) -> None:
         """Half-close: the engine finishes the stream's requests, then ends the call."""
@@ -82,6 +105,14 @@ class EngineStream:
 
     async def finished(self, timeout: float = 60.0) -> None:
         await asyncio.wait_for(self._reader, timeout)
+
+    async def status(self, timeout: float = 60.0) -> grpc.StatusCode:
+        """How the call ended (OK, or the error code it failed with)."""
+        try:
+            await asyncio.wait_for(self._reader, timeout)
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
 
     def cancel(self) -> None:
         self.call.cancel()

@@ -65,8 +65,8 @@ async def test_aborts_free_everything(channel):
     rng = random.Random(2)
     stream = EngineStream(channel)
     keep = stream.add("keep", _prompt(rng, 16), max_tokens=40, ignore_eos=True, temperature=0.0)
-    stream.add("mid", _prompt(rng, 16), max_tokens=2000, ignore_eos=True)
-    await asyncio.sleep(0.3)  # "mid" is decoding by now
+    mid = stream.add("mid", _prompt(rng, 16), max_tokens=2000, ignore_eos=True)
+    await asyncio.wait_for(mid.first_output.wait(), 30)  # decoding now, whatever the machine's speed
     stream.abort("mid")
     stream.abort("mid")  # twice: a no-op
     stream.abort("never-added")  # unknown: a no-op
@@ -132,13 +132,20 @@ async def test_invalid_requests_get_in_band_errors(channel, prompt, params, fiel
 
 async def test_duplicate_request_id_is_refused_in_band(channel):
     stream = EngineStream(channel)
-    first = stream.add("dup", [5, 6, 7], max_tokens=30, ignore_eos=True)
-    await asyncio.sleep(0.1)
+    first = stream.add("dup", [5, 6, 7], max_tokens=1000, ignore_eos=True)
+    # In flight for sure (an output came and it cannot finish on its own for a long time),
+    # whatever the machine's speed: no sleep to race.
+    await asyncio.wait_for(first.first_output.wait(), 30)
     stream.add("dup", [5, 6, 7], max_tokens=30, ignore_eos=True)
+    await asyncio.wait_for(stream.got_rejection.wait(), 30)
+    (rejected,) = stream.rejected
+    assert rejected.request_id == "dup" and rejected.error.code == pb.ERROR_CODE_INVALID_ARGUMENT
+    assert rejected.error.field == "request_id" and "already in flight" in rejected.error.message
+    # The refusal did not finish the live request: it runs until aborted, and ends once.
+    assert not first.done.is_set()
+    stream.abort("dup")
     await stream.wait("dup")
-    # The first finish seen is the refusal; the original request goes on to its length.
-    assert first.error is not None and first.error.code == pb.ERROR_CODE_INVALID_ARGUMENT
-    assert first.error.field == "request_id"
+    assert first.finish_reason == pb.FINISH_REASON_ABORT and first.num_finishes == 1 and first.error is None
     stream.close()
     await stream.finished()
 
@@ -168,18 +175,24 @@ async def test_unary_rpcs(channel, demo_model_dir):
 
 def test_sigterm_drains(demo_model_dir):
     async def scenario():
-        engine = start_engine(demo_model_dir, "--num-kv-blocks", "256", "--shutdown-timeout", "60")
+        engine = start_engine(demo_model_dir, "--num-kv-blocks", "256", "--shutdown-timeout", "120")
         try:
             engine.wait_serving()
             async with grpc.aio.insecure_channel(engine.address) as ch:
+                stub = engine_pb2_grpc.EngineServiceStub(ch)
                 stream = EngineStream(ch)
-                stream.add("inflight", [5, 6, 7, 8], max_tokens=60, ignore_eos=True)
-                await asyncio.sleep(0.3)
+                inflight = stream.add("inflight", [5, 6, 7, 8], max_tokens=120, ignore_eos=True)
+                # No sleeps to race: running for sure before the signal, draining for sure
+                # (the engine applied it) before the late add.
+                await asyncio.wait_for(inflight.first_output.wait(), 30)
                 engine.proc.send_signal(15)
-                await asyncio.sleep(0.3)
+                deadline = asyncio.get_running_loop().time() + 30
+                while not (await stub.GetLoad(pb.GetLoadRequest())).load.draining:
+                    assert asyncio.get_running_loop().time() < deadline, "the engine never started draining"
+                    await asyncio.sleep(0.02)
                 late = stream.add("late", [5, 6, 7], max_tokens=5)
-                await stream.wait("inflight", "late", timeout=60)
-                assert len(stream.results["inflight"].token_ids) == 60
+                await stream.wait("inflight", "late", timeout=120)
+                assert len(inflight.token_ids) == 120
                 assert late.finish_reason == pb.FINISH_REASON_ERROR
                 assert late.error.code == pb.ERROR_CODE_UNAVAILABLE
             assert engine.proc.wait(30) == 0
@@ -233,3 +246,18 @@ def _split_json_stream(text: str) -> list[str]:
         while pos < len(text) and text[pos].isspace():
             pos += 1
     return items
+
+
+async def test_an_oversized_request_id_ends_only_its_stream(channel):
+    """Ids are echoed in every output, whose size is bounded: a 2 KB id is a malformed message."""
+    stub = engine_pb2_grpc.EngineServiceStub(channel)
+    bad = EngineStream(channel)
+    bad.add("x" * 2000, [5, 6, 7], max_tokens=2)
+    assert await bad.status(timeout=30) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id is 2000 bytes; at most 1024" in await bad.call.details()
+    good = EngineStream(channel)
+    good.add("fine", [5, 6, 7], max_tokens=2, ignore_eos=True)
+    await good.wait("fine")
+    good.close()
+    await good.finished()
+    await wait_idle(stub)

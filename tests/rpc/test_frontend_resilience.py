@@ -135,12 +135,27 @@ async def test_dns_name_finds_the_engine_and_metrics_count_calls(demo_model_dir,
 
 
 async def test_full_engine_queue_is_resource_exhausted(demo_model_dir, procs):
-    engine = procs(start_engine(demo_model_dir, "--max-waiting", "0")).wait_serving()
+    # One request runs, one waits, the next finds the queue full.
+    engine = procs(start_engine(demo_model_dir, "--max-num-seqs", "1", "--max-waiting", "1")).wait_serving()
     frontend = procs(start_frontend(engine.address)).wait_serving()
+    long = g.GenerateRequest(text="hi", sampling_params=g.SamplingParams(max_tokens=1500, ignore_eos=True))
     async with frontend_stub(frontend) as stub:
+        running = stub.Generate(long)
+        await running.read()  # running now: the next one has to wait
+        waiting = stub.Generate(long)
+        await _until_engine(engine.address, lambda load: load.num_waiting == 1)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await generate(stub, text="hi")
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        running.cancel()
+        waiting.cancel()
+
+
+async def _until_engine(address: str, condition, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition(await engine_load(address)):
+        assert asyncio.get_running_loop().time() < deadline, "the engine's load never matched"
+        await asyncio.sleep(0.05)
 
 
 async def test_api_keys_and_local_tokenizer(demo_model_dir, procs, tmp_path):

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GrammarSyntax(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_SYNTAX_UNSPECIFIED: _ClassVar[GrammarSyntax]
+    GRAMMAR_SYNTAX_LARK: _ClassVar[GrammarSyntax]
+    GRAMMAR_SYNTAX_GBNF: _ClassVar[GrammarSyntax]
+
+class JsonWhitespace(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JSON_WHITESPACE_UNSPECIFIED: _ClassVar[JsonWhitespace]
+    JSON_WHITESPACE_COMPACT: _ClassVar[JsonWhitespace]
+    JSON_WHITESPACE_FLEXIBLE: _ClassVar[JsonWhitespace]
+
+class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ABORT_REASON_UNSPECIFIED: _ClassVar[AbortReason]
+    ABORT_REASON_CANCELLED: _ClassVar[AbortReason]
+    ABORT_REASON_STOP_STRING: _ClassVar[AbortReason]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -22,6 +40,15 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+GRAMMAR_SYNTAX_UNSPECIFIED: GrammarSyntax
+GRAMMAR_SYNTAX_LARK: GrammarSyntax
+GRAMMAR_SYNTAX_GBNF: GrammarSyntax
+JSON_WHITESPACE_UNSPECIFIED: JsonWhitespace
+JSON_WHITESPACE_COMPACT: JsonWhitespace
+JSON_WHITESPACE_FLEXIBLE: JsonWhitespace
+ABORT_REASON_UNSPECIFIED: AbortReason
+ABORT_REASON_CANCELLED: AbortReason
+ABORT_REASON_STOP_STRING: AbortReason
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -34,12 +61,18 @@ ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 
 class StreamRequest(_message.Message):
-    __slots__ = ("add", "abort")
+    __slots__ = ("add", "abort", "subscribe_kv_events")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBE_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     add: Add
     abort: Abort
-    def __init__(self, add: _Optional[_Union[Add, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    subscribe_kv_events: SubscribeKvEvents
+    def __init__(self, add: _Optional[_Union[Add, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., subscribe_kv_events: _Optional[_Union[SubscribeKvEvents, _Mapping]] = ...) -> None: ...
+
+class SubscribeKvEvents(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Add(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time", "trace_context")
@@ -65,7 +98,7 @@ class Add(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias", "json_schema", "json_object", "regex", "choice", "grammar", "json_whitespace", "json_lenient")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +121,13 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    JSON_LENIENT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -103,21 +143,90 @@ class SamplingParams(_message.Message):
     logprobs: int
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: Choice
+    grammar: Grammar
+    json_whitespace: JsonWhitespace
+    json_lenient: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choice, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., json_whitespace: _Optional[_Union[JsonWhitespace, str]] = ..., json_lenient: _Optional[bool] = ...) -> None: ...
+
+class Choice(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("syntax", "text")
+    SYNTAX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    syntax: GrammarSyntax
+    text: str
+    def __init__(self, syntax: _Optional[_Union[GrammarSyntax, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Abort(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "reason")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    reason: AbortReason
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("outputs", "load")
+    __slots__ = ("outputs", "load", "rejected", "kv_events")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     load: EngineLoad
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedAdd]
+    kv_events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., rejected: _Optional[_Iterable[_Union[RejectedAdd, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
+class RejectedAdd(_message.Message):
+    __slots__ = ("request_id", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error: Error
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "snapshot")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    stored: KvBlocksStored
+    removed: KvBlocksRemoved
+    snapshot: KvSnapshot
+    def __init__(self, stored: _Optional[_Union[KvBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ..., snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...
+
+class KvBlocksStored(_message.Message):
+    __slots__ = ("parent_block_hash", "block_hashes")
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    parent_block_hash: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, parent_block_hash: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvSnapshot(_message.Message):
+    __slots__ = ("first", "last", "block_hashes")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    first: bool
+    last: bool
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first: _Optional[bool] = ..., last: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_cached_tokens", "error")
@@ -172,27 +281,31 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining", "num_paused", "num_waiting_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     prefix_cache_hit_rate: float
     num_used_blocks: int
     draining: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_paused: int
+    num_waiting_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_paused: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "block_size", "num_kv_blocks", "kv_capacity_tokens", "architecture", "device")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "block_size", "num_kv_blocks", "kv_capacity_tokens", "architecture", "device", "block_hash_algorithm")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +317,7 @@ class GetModelInfoResponse(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -215,7 +329,8 @@ class GetModelInfoResponse(_message.Message):
     kv_capacity_tokens: int
     architecture: str
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    block_hash_algorithm: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., block_hash_algorithm: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -39,8 +39,31 @@ class EngineServiceStub:
 
     Error semantics: per-request failures (invalid parameters, prompt longer than the
     context, queue full, engine draining) arrive in band as a RequestOutput with
-    finish_reason ERROR and an Error; they never end the shared stream. The stream itself
-    fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+    finish_reason ERROR and an Error; they never end the shared stream. An add whose
+    request_id is already in flight is refused in StreamResponse.rejected instead, so that
+    the live request of that id still finishes exactly once. The stream itself fails only
+    for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Flow control: every StreamResponse stays well under the engine's --max-message-bytes
+    (at most a quarter of it, and at most 4 MiB) and carries at most 256 outputs; a backlog
+    is split over several messages, one request's output possibly over consecutive ones.
+    A reader that falls behind does not make the engine buffer without bound: once more
+    than --stream-backlog-bytes of output waits unsent on a stream, the engine pauses every
+    request of that stream (they stop advancing and give back their KV blocks, so other
+    streams lose nothing) and resumes them, from where they were, once the backlog is down
+    to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
+    requests only take longer. While the backlog is above twice the bound the engine also
+    stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     def __init__(self, channel):
@@ -85,13 +108,37 @@ class EngineServiceServicer:
 
     Error semantics: per-request failures (invalid parameters, prompt longer than the
     context, queue full, engine draining) arrive in band as a RequestOutput with
-    finish_reason ERROR and an Error; they never end the shared stream. The stream itself
-    fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+    finish_reason ERROR and an Error; they never end the shared stream. An add whose
+    request_id is already in flight is refused in StreamResponse.rejected instead, so that
+    the live request of that id still finishes exactly once. The stream itself fails only
+    for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Flow control: every StreamResponse stays well under the engine's --max-message-bytes
+    (at most a quarter of it, and at most 4 MiB) and carries at most 256 outputs; a backlog
+    is split over several messages, one request's output possibly over consecutive ones.
+    A reader that falls behind does not make the engine buffer without bound: once more
+    than --stream-backlog-bytes of output waits unsent on a stream, the engine pauses every
+    request of that stream (they stop advancing and give back their KV blocks, so other
+    streams lose nothing) and resumes them, from where they were, once the backlog is down
+    to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
+    requests only take longer. While the backlog is above twice the bound the engine also
+    stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     def Stream(self, request_iterator, context):
         """Stream carries Add/Abort control messages in and one StreamResponse per engine step
-        out (only steps in which a request of this stream advanced or finished).
+        out (only steps in which a request of this stream advanced or finished or, for a
+        stream subscribed to prefix-cache events, in which the cache changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,8 +211,31 @@ class EngineService:
 
     Error semantics: per-request failures (invalid parameters, prompt longer than the
     context, queue full, engine draining) arrive in band as a RequestOutput with
-    finish_reason ERROR and an Error; they never end the shared stream. The stream itself
-    fails only for transport problems or a malformed control message (INVALID_ARGUMENT).
+    finish_reason ERROR and an Error; they never end the shared stream. An add whose
+    request_id is already in flight is refused in StreamResponse.rejected instead, so that
+    the live request of that id still finishes exactly once. The stream itself fails only
+    for transport problems or a malformed control message (INVALID_ARGUMENT).
+
+    Flow control: every StreamResponse stays well under the engine's --max-message-bytes
+    (at most a quarter of it, and at most 4 MiB) and carries at most 256 outputs; a backlog
+    is split over several messages, one request's output possibly over consecutive ones.
+    A reader that falls behind does not make the engine buffer without bound: once more
+    than --stream-backlog-bytes of output waits unsent on a stream, the engine pauses every
+    request of that stream (they stop advancing and give back their KV blocks, so other
+    streams lose nothing) and resumes them, from where they were, once the backlog is down
+    to a quarter of the bound. Nothing is lost and no request fails because of a pause; the
+    requests only take longer. While the backlog is above twice the bound the engine also
+    stops reading the stream's control messages (HTTP/2 flow control then holds the writer).
+
+    Prefix-cache events: a stream that sends SubscribeKvEvents receives, in StreamResponse
+    kv_events, first a snapshot of every block the engine's prefix cache holds, then each
+    step's stored and evicted blocks, named by their chained block hash (block_hash_algorithm
+    in GetModelInfoResponse). A frontend that applies them in order knows, for any prompt,
+    how many of its leading blocks the engine holds (prefix-aware routing). An engine records
+    nothing while no stream subscribes. The events describe one engine's cache over one
+    stream: when the stream ends, the frontend forgets what it learned from it, and after
+    reconnecting subscribes again and gets a fresh snapshot (an engine that restarted starts
+    with an empty cache; a frontend that restarted learns the cache as it is).
     """
 
     @staticmethod

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tandem/generate/v1/generate.proto\x12\x12tandem.generate.v1\"\xc8\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1c.tandem.generate.v1.TokenIdsH\x00\x12\x34\n\x08messages\x18\x03 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x12;\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".tandem.generate.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x05 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x7f\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.tandem.generate.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb8\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x0e\n\x01n\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x07\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x12\x45\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x31.tandem.generate.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\xc7\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.generate.v1.Logprob\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.tandem.generate.v1.Logprob\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .tandem.generate.v1.FinishReason\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12(\n\x05usage\x18\t \x01(\x0b\x32\x19.tandem.generate.v1.UsageB\x0e\n\x0cmatched_stop\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"v\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12+\n\x03top\x18\x05 \x03(\x0b\x32\x1e.tandem.generate.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x98\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xc8\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x13\n\x0bnum_engines\x18\x07 \x01(\rB\x0f\n\r_bos_token_id*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x81\x03\n\x0fGenerateService\x12W\n\x08Generate\x12#.tandem.generate.v1.GenerateRequest\x1a$.tandem.generate.v1.GenerateResponse0\x01\x12U\n\x08Tokenize\x12#.tandem.generate.v1.TokenizeRequest\x1a$.tandem.generate.v1.TokenizeResponse\x12[\n\nDetokenize\x12%.tandem.generate.v1.DetokenizeRequest\x1a&.tandem.generate.v1.DetokenizeResponse\x12\x61\n\x0cGetModelInfo\x12\'.tandem.generate.v1.GetModelInfoRequest\x1a(.tandem.generate.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tandem/generate/v1/generate.proto\x12\x12tandem.generate.v1\"\xc8\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x31\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1c.tandem.generate.v1.TokenIdsH\x00\x12\x34\n\x08messages\x18\x03 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x12;\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\".tandem.generate.v1.SamplingParams\x12\x18\n\x10return_token_ids\x18\x05 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x7f\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.tandem.generate.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb6\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x0e\n\x01n\x18\x0f \x01(\rH\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\t\x88\x01\x01\x12\x45\n\nlogit_bias\x18\x13 \x03(\x0b\x32\x31.tandem.generate.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x16 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x17 \x01(\x0b\x32\x1a.tandem.generate.v1.ChoiceH\x00\x12.\n\x07grammar\x18\x18 \x01(\x0b\x32\x1b.tandem.generate.v1.GrammarH\x00\x12;\n\x0fjson_whitespace\x18\x19 \x01(\x0e\x32\".tandem.generate.v1.JsonWhitespace\x12\x14\n\x0cjson_lenient\x18\x1a \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"J\n\x07Grammar\x12\x31\n\x06syntax\x18\x01 \x01(\x0e\x32!.tandem.generate.v1.GrammarSyntax\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xc7\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.tandem.generate.v1.Logprob\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.tandem.generate.v1.Logprob\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32 .tandem.generate.v1.FinishReason\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12(\n\x05usage\x18\t \x01(\x0b\x32\x19.tandem.generate.v1.UsageB\x0e\n\x0cmatched_stop\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"v\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12+\n\x03top\x18\x05 \x03(\x0b\x32\x1e.tandem.generate.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x98\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x34\n\x08messages\x18\x02 \x01(\x0b\x32 .tandem.generate.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xc8\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x13\n\x0bnum_engines\x18\x07 \x01(\rB\x0f\n\r_bos_token_id*a\n\rGrammarSyntax\x12\x1e\n\x1aGRAMMAR_SYNTAX_UNSPECIFIED\x10\x00\x12\x17\n\x13GRAMMAR_SYNTAX_LARK\x10\x01\x12\x17\n\x13GRAMMAR_SYNTAX_GBNF\x10\x02*l\n\x0eJsonWhitespace\x12\x1f\n\x1bJSON_WHITESPACE_UNSPECIFIED\x10\x00\x12\x1b\n\x17JSON_WHITESPACE_COMPACT\x10\x01\x12\x1c\n\x18JSON_WHITESPACE_FLEXIBLE\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x81\x03\n\x0fGenerateService\x12W\n\x08Generate\x12#.tandem.generate.v1.GenerateRequest\x1a$.tandem.generate.v1.GenerateResponse0\x01\x12U\n\x08Tokenize\x12#.tandem.generate.v1.TokenizeRequest\x1a$.tandem.generate.v1.TokenizeResponse\x12[\n\nDetokenize\x12%.tandem.generate.v1.DetokenizeRequest\x1a&.tandem.generate.v1.DetokenizeResponse\x12\x61\n\x0cGetModelInfo\x12\'.tandem.generate.v1.GetModelInfoRequest\x1a(.tandem.generate.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2454
-  _globals['_FINISHREASON']._serialized_end=2599
+  _globals['_GRAMMARSYNTAX']._serialized_start=2810
+  _globals['_GRAMMARSYNTAX']._serialized_end=2907
+  _globals['_JSONWHITESPACE']._serialized_start=2909
+  _globals['_JSONWHITESPACE']._serialized_end=3017
+  _globals['_FINISHREASON']._serialized_start=3020
+  _globals['_FINISHREASON']._serialized_end=3165
   _globals['_GENERATEREQUEST']._serialized_start=58
   _globals['_GENERATEREQUEST']._serialized_end=386
   _globals['_TOKENIDS']._serialized_start=388
@@ -44,29 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=542
   _globals['_CHATMESSAGE']._serialized_end=586
   _globals['_SAMPLINGPARAMS']._serialized_start=589
-  _globals['_SAMPLINGPARAMS']._serialized_end=1285
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1101
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1149
-  _globals['_GENERATERESPONSE']._serialized_start=1288
-  _globals['_GENERATERESPONSE']._serialized_end=1615
-  _globals['_USAGE']._serialized_start=1617
-  _globals['_USAGE']._serialized_end=1697
-  _globals['_LOGPROB']._serialized_start=1699
-  _globals['_LOGPROB']._serialized_end=1817
-  _globals['_TOPLOGPROB']._serialized_start=1819
-  _globals['_TOPLOGPROB']._serialized_end=1881
-  _globals['_TOKENIZEREQUEST']._serialized_start=1884
-  _globals['_TOKENIZEREQUEST']._serialized_end=2036
-  _globals['_TOKENIZERESPONSE']._serialized_start=2038
-  _globals['_TOKENIZERESPONSE']._serialized_end=2091
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2093
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2189
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2191
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2225
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2227
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2248
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2251
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2451
-  _globals['_GENERATESERVICE']._serialized_start=2602
-  _globals['_GENERATESERVICE']._serialized_end=2987
+  _globals['_SAMPLINGPARAMS']._serialized_end=1539
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1341
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1389
+  _globals['_CHOICE']._serialized_start=1541
+  _globals['_CHOICE']._serialized_end=1566
+  _globals['_GRAMMAR']._serialized_start=1568
+  _globals['_GRAMMAR']._serialized_end=1642
+  _globals['_GENERATERESPONSE']._serialized_start=1645
+  _globals['_GENERATERESPONSE']._serialized_end=1972
+  _globals['_USAGE']._serialized_start=1974
+  _globals['_USAGE']._serialized_end=2054
+  _globals['_LOGPROB']._serialized_start=2056
+  _globals['_LOGPROB']._serialized_end=2174
+  _globals['_TOPLOGPROB']._serialized_start=2176
+  _globals['_TOPLOGPROB']._serialized_end=2238
+  _globals['_TOKENIZEREQUEST']._serialized_start=2241
+  _globals['_TOKENIZEREQUEST']._serialized_end=2393
+  _globals['_TOKENIZERESPONSE']._serialized_start=2395
+  _globals['_TOKENIZERESPONSE']._serialized_end=2448
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2450
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2546
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2548
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2582
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2584
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2605
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2608
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2808
+  _globals['_GENERATESERVICE']._serialized_start=3168
+  _globals['_GENERATESERVICE']._serialized_end=3553
 # @@protoc_insertion_point(module_scope)

@@ -29,15 +29,28 @@ class GenerateServiceStub:
     """GenerateService is Tandem's public API: text in, streamed text out.
 
     Error semantics (gRPC status codes, each with a message that says what to fix):
-    INVALID_ARGUMENT   bad input (names the field); never retry it unchanged.
-    RESOURCE_EXHAUSTED the engines' queues are full or the message is too large; retry later.
-    UNAVAILABLE        no engine is reachable, or the engine serving the call went away
-    or is draining; safe to retry.
-    DEADLINE_EXCEEDED  the client's deadline passed; generation was stopped.
-    UNAUTHENTICATED    an API key is required and was missing or wrong.
+    INVALID_ARGUMENT    bad input (names the field, and the limit it breaks); never retry
+    it unchanged.
+    RESOURCE_EXHAUSTED  the engines' queues are full, or the frontend serves its limit of
+    concurrent Generate calls: retry later. Also, not to be retried
+    unchanged: the request (or its answer, or the request as forwarded
+    to an engine) is larger than the message size limit, or the client
+    read none of its stream for the stalled-client timeout (30 s by
+    default) while output waited, so the request was aborted.
+    UNAVAILABLE         no engine is reachable, or the engine serving the call went away,
+    hung or is draining; safe to retry. A call that received nothing
+    yet is retried once on another engine by the frontend itself.
+    FAILED_PRECONDITION the frontend cannot serve until its operator acts (e.g. the model
+    has no tokenizer.json); the message says what to do.
+    DEADLINE_EXCEEDED   the client's deadline passed; generation was stopped.
+    UNAUTHENTICATED     an API key is required and was missing or wrong.
+
+    Limits (docs/limits.md has them all): every repeated or map field has one, written on
+    the field below, checked from the field's length before any work that depends on it.
 
     Cancel semantics: cancelling a Generate call, or letting its deadline pass, aborts
     the request in the engine within one engine step; no more tokens are computed for it.
+    The same happens to a call whose client stops reading (see RESOURCE_EXHAUSTED).
     """
 
     def __init__(self, channel):
@@ -72,15 +85,28 @@ class GenerateServiceServicer:
     """GenerateService is Tandem's public API: text in, streamed text out.
 
     Error semantics (gRPC status codes, each with a message that says what to fix):
-    INVALID_ARGUMENT   bad input (names the field); never retry it unchanged.
-    RESOURCE_EXHAUSTED the engines' queues are full or the message is too large; retry later.
-    UNAVAILABLE        no engine is reachable, or the engine serving the call went away
-    or is draining; safe to retry.
-    DEADLINE_EXCEEDED  the client's deadline passed; generation was stopped.
-    UNAUTHENTICATED    an API key is required and was missing or wrong.
+    INVALID_ARGUMENT    bad input (names the field, and the limit it breaks); never retry
+    it unchanged.
+    RESOURCE_EXHAUSTED  the engines' queues are full, or the frontend serves its limit of
+    concurrent Generate calls: retry later. Also, not to be retried
+    unchanged: the request (or its answer, or the request as forwarded
+    to an engine) is larger than the message size limit, or the client
+    read none of its stream for the stalled-client timeout (30 s by
+    default) while output waited, so the request was aborted.
+    UNAVAILABLE         no engine is reachable, or the engine serving the call went away,
+    hung or is draining; safe to retry. A call that received nothing
+    yet is retried once on another engine by the frontend itself.
+    FAILED_PRECONDITION the frontend cannot serve until its operator acts (e.g. the model
+    has no tokenizer.json); the message says what to do.
+    DEADLINE_EXCEEDED   the client's deadline passed; generation was stopped.
+    UNAUTHENTICATED     an API key is required and was missing or wrong.
+
+    Limits (docs/limits.md has them all): every repeated or map field has one, written on
+    the field below, checked from the field's length before any work that depends on it.
 
     Cancel semantics: cancelling a Generate call, or letting its deadline pass, aborts
     the request in the engine within one engine step; no more tokens are computed for it.
+    The same happens to a call whose client stops reading (see RESOURCE_EXHAUSTED).
     """
 
     def Generate(self, request, context):
@@ -148,15 +174,28 @@ class GenerateService:
     """GenerateService is Tandem's public API: text in, streamed text out.
 
     Error semantics (gRPC status codes, each with a message that says what to fix):
-    INVALID_ARGUMENT   bad input (names the field); never retry it unchanged.
-    RESOURCE_EXHAUSTED the engines' queues are full or the message is too large; retry later.
-    UNAVAILABLE        no engine is reachable, or the engine serving the call went away
-    or is draining; safe to retry.
-    DEADLINE_EXCEEDED  the client's deadline passed; generation was stopped.
-    UNAUTHENTICATED    an API key is required and was missing or wrong.
+    INVALID_ARGUMENT    bad input (names the field, and the limit it breaks); never retry
+    it unchanged.
+    RESOURCE_EXHAUSTED  the engines' queues are full, or the frontend serves its limit of
+    concurrent Generate calls: retry later. Also, not to be retried
+    unchanged: the request (or its answer, or the request as forwarded
+    to an engine) is larger than the message size limit, or the client
+    read none of its stream for the stalled-client timeout (30 s by
+    default) while output waited, so the request was aborted.
+    UNAVAILABLE         no engine is reachable, or the engine serving the call went away,
+    hung or is draining; safe to retry. A call that received nothing
+    yet is retried once on another engine by the frontend itself.
+    FAILED_PRECONDITION the frontend cannot serve until its operator acts (e.g. the model
+    has no tokenizer.json); the message says what to do.
+    DEADLINE_EXCEEDED   the client's deadline passed; generation was stopped.
+    UNAUTHENTICATED     an API key is required and was missing or wrong.
+
+    Limits (docs/limits.md has them all): every repeated or map field has one, written on
+    the field below, checked from the field's length before any work that depends on it.
 
     Cancel semantics: cancelling a Generate call, or letting its deadline pass, aborts
     the request in the engine within one engine step; no more tokens are computed for it.
+    The same happens to a call whose client stops reading (see RESOURCE_EXHAUSTED).
     """
 
     @staticmethod

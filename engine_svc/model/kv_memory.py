@@ -1,0 +1,137 @@
+"""The KV cache's memory: its default size, and an allocation that is zero without a fill.
+
+Default size, when neither --num-kv-blocks nor --kv-cache-bytes is given::
+
+    wanted = max_num_seqs x max_model_len tokens      every running request at full length
+    cap    = 40% of the memory available at start      CPU: MemAvailable, or the cgroup's room
+           | 80% of free device memory                 CUDA, after the weights are loaded
+    floor  = max_model_len tokens                       one full-length request
+    blocks = max(floor, min(wanted, cap)) / tokens per block
+
+so a small model gets a small cache, a large one as much as the machine can spare, and
+every request that fits the context fits the cache.
+
+On CPU the cache is an anonymous memory map: the kernel hands out zero pages as they are
+first touched, so start-up does not write the whole cache and the resident size grows
+with the blocks actually used. (It must read as zeros, not garbage: masked padding reads
+unused slots, and 0 x NaN is NaN.)
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_MEMORY_FRACTION = 0.4
+GPU_MEMORY_FRACTION = 0.8
+
+
+def default_num_kv_blocks(
+    *, bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int, device: torch.device
+) -> int:
+    """The default pool size in blocks (see the module docstring); logs how it was chosen."""
+    blocks_per_request = -(-max_model_len // block_size)
+    wanted = max_num_seqs * blocks_per_request
+    available = available_memory(device)
+    fraction = GPU_MEMORY_FRACTION if device.type == "cuda" else CPU_MEMORY_FRACTION
+    if available is None:
+        logger.info("KV cache: %d blocks, enough for %d requests of %d tokens", wanted, max_num_seqs, max_model_len)
+        return wanted
+    cap = int(available * fraction) // bytes_per_block
+    num_blocks = max(blocks_per_request, min(wanted, cap))
+    mib = num_blocks * bytes_per_block / 2**20
+    if blocks_per_request > cap:
+        logger.warning(
+            "KV cache: one request of max_model_len %d tokens needs %.1f MiB, more than %d%% of the %.1f MiB "
+            "available; allocating it anyway. Lower --max-model-len or set --kv-cache-bytes",
+            max_model_len,
+            mib,
+            round(fraction * 100),
+            available / 2**20,
+        )
+    elif num_blocks < wanted:
+        logger.info(
+            "KV cache: %d blocks (%.1f MiB), capped at %d%% of the %.1f MiB available; %d requests of "
+            "max_model_len %d would need %d. Set --kv-cache-bytes or --num-kv-blocks to choose",
+            num_blocks,
+            mib,
+            round(fraction * 100),
+            available / 2**20,
+            max_num_seqs,
+            max_model_len,
+            wanted,
+        )
+    else:
+        logger.info(
+            "KV cache: %d blocks (%.1f MiB), enough for %d requests (--max-num-seqs) of max_model_len %d",
+            num_blocks,
+            mib,
+            max_num_seqs,
+            max_model_len,
+        )
+    return num_blocks
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes the KV cache could take now: free device memory, or on CPU the system's
+    available memory, bounded by the cgroup's limit (a container's); None if unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    figures = [b for b in (_meminfo_available(), _cgroup_room()) if b is not None]
+    return min(figures) if figures else None
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU backed by pages the kernel zeroes on first touch."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)  # anonymous and private: reads as zeros, page-aligned
+    # frombuffer keeps ``buffer`` alive as long as the tensor (or a view of it) lives.
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _cgroup_room() -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1); None if unlimited."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            if limit_text == "max":
+                return None
+            limit, usage = int(limit_text), int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit >= 1 << 60:  # v1 reports "no limit" as a huge number
+            return None
+        return max(0, limit - usage)
+    return None

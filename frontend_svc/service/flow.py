@@ -1,0 +1,94 @@
+"""Generate calls in progress: the concurrent-call limit and the watch on clients that stopped reading.
+
+    Generate ── calls.enter() ──▶ Call          (RESOURCE_EXHAUSTED past --max-concurrent-calls)
+             ── call.write(response) ...        (time-stamped while the write waits)
+             ── calls.leave(call)
+    sweeper (every second or so) ── a write waiting past --stalled-client-timeout-s ──▶ call task cancelled
+
+A write to the client waits only once gRPC's buffers for the call are full, that is when
+the client has stopped reading (HTTP/2 flow control). Past the timeout the call's task is
+cancelled; the servicer sees ``call.stalled``, aborts the engine requests (so the engine
+stops computing for nobody) and ends the call with RESOURCE_EXHAUSTED. Nothing here runs
+per token beyond two clock reads per write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from frontend_svc.service.planning import RequestError
+from tandem_common.types import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+
+class Call:
+    """One Generate call in progress."""
+
+    __slots__ = ("task", "writing_since", "stalled")
+
+    def __init__(self, task: asyncio.Task | None) -> None:
+        self.task = task
+        self.writing_since = 0.0  # monotonic time a write began; 0 while none waits
+        self.stalled = False  # cancelled by the sweeper: the client stopped reading
+
+    async def write(self, context, response) -> None:
+        self.writing_since = time.monotonic()
+        await context.write(response)
+        self.writing_since = 0.0
+
+
+class InFlightCalls:
+    """The Generate calls in progress, at most ``max_calls`` (0: no limit); writes that
+    wait longer than ``stalled_timeout_s`` (0: never) cancel their call."""
+
+    def __init__(self, max_calls: int = 0, stalled_timeout_s: float = 0.0) -> None:
+        self.max_calls = max_calls
+        self.stalled_timeout_s = stalled_timeout_s
+        self._calls: set[Call] = set()
+        self._sweeper: asyncio.Task | None = None
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._calls)
+
+    def enter(self) -> Call:
+        """Admits a call, or raises RequestError(RESOURCE_EXHAUSTED) when the limit is reached."""
+        if self.max_calls and len(self._calls) >= self.max_calls:
+            raise RequestError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"this frontend is serving its limit of {self.max_calls} concurrent Generate calls "
+                "(--max-concurrent-calls); retry later or on another frontend replica",
+            )
+        call = Call(asyncio.current_task())
+        self._calls.add(call)
+        if self.stalled_timeout_s and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="stalled-client sweeper")
+        return call
+
+    def leave(self, call: Call) -> None:
+        self._calls.discard(call)
+
+    def stalled_message(self) -> str:
+        return (
+            f"the client read none of its stream for {self.stalled_timeout_s:g} s while output waited "
+            "(--stalled-client-timeout-s); the request was aborted. Read the stream as it arrives"
+        )
+
+    async def _sweep(self) -> None:
+        period = min(1.0, self.stalled_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for call in list(self._calls):
+                since = call.writing_since
+                if since and now - since > self.stalled_timeout_s and not call.stalled and call.task is not None:
+                    call.stalled = True
+                    call.task.cancel()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)

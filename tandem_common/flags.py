@@ -1,0 +1,79 @@
+"""Command-line helpers both services share: checked number types and the help formatter.
+
+A flag with an impossible value must stop the service at start with a message that names
+the flag and the range it accepts, never start a service that then hangs or refuses every
+request. Use these as ``type=`` in argparse; argparse turns the error into
+``tandem-engine: error: argument --max-num-seqs: must be an integer >= 1, got 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+MAX_PORT = 65535
+# gRPC keeps message sizes in a signed 32-bit int.
+MAX_MESSAGE_BYTES = 2**31 - 1
+MIN_MESSAGE_BYTES = 64 * 1024  # below this a model's tokenizer files take thousands of chunks
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]  # --log-level, any case
+
+
+def _describe(lo: float | None, hi: float | None, kind: str, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f"{kind} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    if lo is not None:
+        return f"{kind} {'>' if lo_open else '>='} {lo:g}"
+    return f"{kind} <= {hi:g}"
+
+
+def int_in(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (either bound may be None)."""
+    what = _describe(lo, hi, "an integer")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # what argparse calls the type in its own messages
+    return parse
+
+
+def float_in(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [lo, hi] ((lo, hi] with ``lo_open``)."""
+    what = _describe(lo, hi, "a number", lo_open)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        too_low = lo is not None and (value <= lo if lo_open else value < lo)
+        if not math.isfinite(value) or too_low or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+port = int_in(0, MAX_PORT)  # 0 picks a free port
+metrics_port = int_in(0, MAX_PORT)  # 0 turns metrics off
+message_bytes = int_in(MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
+seconds = float_in(0.0)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where it says something: not for defaults of None (the
+    help says what happens then) and not where the help already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default is None or action.default is argparse.SUPPRESS or "default" in help_text:
+            return help_text
+        return super()._get_help_string(action) or help_text

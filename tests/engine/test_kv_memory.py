@@ -1,0 +1,62 @@
+"""The KV cache's default size and its lazily zeroed memory (issue 18, item 14)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_svc.model import kv_memory
+from engine_svc.model.kv_memory import default_num_kv_blocks, zeroed
+
+CPU = torch.device("cpu")
+MiB = 2**20
+
+
+def blocks(monkeypatch, available: int | None, **kw) -> int:
+    monkeypatch.setattr(kv_memory, "available_memory", lambda device: available)
+    args = dict(bytes_per_block=MiB, block_size=16, max_num_seqs=8, max_model_len=1024, device=CPU)
+    return default_num_kv_blocks(**{**args, **kw})
+
+
+def test_enough_for_every_running_request_at_full_length(monkeypatch):
+    # 8 requests x 1024 tokens / 16 per block = 512 blocks of 1 MiB, well under 40% of 10 GiB.
+    assert blocks(monkeypatch, 10 * 1024 * MiB) == 512
+    assert blocks(monkeypatch, None) == 512  # memory unknown: what the scheduler can use
+
+
+def test_capped_by_the_memory_available(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="engine_svc.model.kv_memory"):
+        assert blocks(monkeypatch, 500 * MiB) == 200  # 40% of 500 MiB
+    assert "capped at 40% of the 500.0 MiB available" in caplog.text
+
+
+def test_never_below_one_full_length_request(monkeypatch, caplog):
+    with caplog.at_level(logging.WARNING, logger="engine_svc.model.kv_memory"):
+        assert blocks(monkeypatch, 50 * MiB) == 64  # 1024 tokens need 64 blocks, more than 40% of 50 MiB
+    assert "allocating it anyway" in caplog.text
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident size from /proc")
+def test_zeroed_cpu_memory_is_not_written_up_front():
+    before = _rss_bytes()
+    cache = zeroed((2, 256, 16, 16, 1024), torch.float32, CPU)  # 512 MiB
+    assert _rss_bytes() - before < 64 * MiB  # torch.zeros would have written all of it
+    assert cache.shape == (2, 256, 16, 16, 1024) and cache.is_contiguous()
+    assert float(cache[1, 255].abs().sum()) == 0.0 and float(cache[0, 0, 0, 0, 0]) == 0.0
+    cache[1, 2] = 1.5
+    assert float(cache[1, 2].mean()) == 1.5 and float(cache[1, 3].sum()) == 0.0
+
+
+def test_zeroed_in_half_precision():
+    cache = zeroed((4, 3), torch.bfloat16, CPU)
+    assert cache.dtype == torch.bfloat16 and torch.equal(cache, torch.zeros(4, 3, dtype=torch.bfloat16))

@@ -1,0 +1,85 @@
+"""Impossible flag values stop a service at start, naming the flag and what it accepts
+(issue 18, items 12 and 16); the help says each default once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_svc.config import build_parser as engine_parser
+from frontend_svc.config import build_parser as frontend_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ENGINE_REFUSED = [
+    ("--max-num-seqs", "0", "an integer >= 1"),
+    ("--max-num-batched-tokens", "0", "an integer >= 1"),
+    ("--max-waiting", "0", "an integer >= 1"),
+    ("--max-model-len", "1", "an integer >= 2"),
+    ("--block-size", "0", "an integer in [1, 1024]"),
+    ("--block-size", "4096", "an integer in [1, 1024]"),
+    ("--num-kv-blocks", "0", "an integer >= 1"),
+    ("--kv-cache-bytes", "-1", "an integer >= 1"),
+    ("--num-threads", "0", "an integer >= 1"),
+    ("--port", "65536", "an integer in [0, 65535]"),
+    ("--metrics-port", "-1", "an integer in [0, 65535]"),
+    ("--max-message-bytes", "100", "an integer in [65536, 2.14748e+09]"),
+    ("--stream-backlog-bytes", "1000", "an integer >= 65536"),
+    ("--shutdown-timeout", "-5", "a number >= 0"),
+    ("--shutdown-timeout", "nan", "a number >= 0"),
+    ("--seed", "-1", "an integer in [0, 1.84467e+19]"),
+    ("--max-num-seqs", "four", "an integer >= 1"),
+]
+FRONTEND_REFUSED = [
+    ("--port", "99999", "an integer in [0, 65535]"),
+    ("--metrics-port", "70000", "an integer in [0, 65535]"),
+    ("--max-message-bytes", "0", "an integer in [65536"),
+    ("--shutdown-timeout", "inf", "a number >= 0"),
+]
+
+
+@pytest.mark.parametrize("flag, value, allowed", ENGINE_REFUSED)
+def test_engine_refuses_impossible_values(capsys, flag, value, allowed):
+    with pytest.raises(SystemExit) as exit_:
+        engine_parser().parse_args([flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be {allowed}" in err, err
+
+
+@pytest.mark.parametrize("flag, value, allowed", FRONTEND_REFUSED)
+def test_frontend_refuses_impossible_values(capsys, flag, value, allowed):
+    with pytest.raises(SystemExit):
+        frontend_parser().parse_args(["--engine", "a:1", flag, value])
+    assert f"argument {flag}: must be {allowed}" in capsys.readouterr().err
+
+
+def test_the_engine_process_exits_at_once_instead_of_hanging_every_request():
+    # Each of these used to start and then hang every request.
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-waiting"):
+        result = subprocess.run(
+            [sys.executable, "-m", "engine_svc", flag, "0"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert result.returncode == 2 and f"argument {flag}: must be an integer >= 1, got 0" in result.stderr
+
+
+@pytest.mark.parametrize("parser", [engine_parser, frontend_parser])
+def test_help_states_each_default_once(parser):
+    p = parser()
+    assert "(default: None)" not in p.format_help()
+    formatter = p._get_formatter()
+    for action in p._actions:
+        if action.help:
+            assert formatter._expand_help(action).lower().count("default") <= 1, action.dest
+
+
+def test_every_engine_flag_has_help():
+    missing = [a.dest for a in engine_parser()._actions if a.dest != "help" and not a.help]
+    assert not missing, missing
