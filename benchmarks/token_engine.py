@@ -7,7 +7,9 @@ benchmarks: it is never a stand-in for the real engine in tests of engine behavi
 
 Every ``--step-ms`` milliseconds it runs one "step": each live request of each stream
 gets one token, and each stream with news gets one StreamResponse, as the real engine
-does. Requests follow the engine's finish rules: max_tokens and the context length end
+does; while a stream's previous message is still being written, the next steps' tokens
+are merged per request into one message (as the engine's StreamBacklog merges for a
+frontend that lags). Requests follow the engine's finish rules: max_tokens and the context length end
 them with LENGTH; a stop token id (or EOS unless ignore_eos) after min_tokens ends them
 with STOP; Abort and a closed stream end them with ABORT. The tokens are the ids of a
 sample text in the model's tokenizer, cycled, so the frontend detokenizes real text.
@@ -54,9 +56,31 @@ class _Request:
 
 @dataclass(eq=False)  # hashed by identity: streams live in a set
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # StreamResponse | None (end)
+    """One stream's live requests and the outputs its writer has not sent yet, merged per
+    request while a write is on its way (as the engine's StreamBacklog does)."""
+
     live: dict[str, _Request] = field(default_factory=dict)
+    pending: dict[str, pb.RequestOutput] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     half_closed: bool = False
+    ended: bool = False  # nothing more will be put; the writer ends the call once pending is sent
+
+    def put(self, outputs: list[pb.RequestOutput]) -> None:
+        for out in outputs:
+            held = self.pending.get(out.request_id)
+            if held is None:
+                self.pending[out.request_id] = out
+            else:  # ids, then the finish (an abort's output has no tokens)
+                held.new_token_ids.extend(out.new_token_ids)
+                if out.finish_reason:
+                    held.finish_reason = out.finish_reason
+                    if out.HasField("stop_token_id"):
+                        held.stop_token_id = out.stop_token_id
+        self.wake.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self.wake.set()
 
 
 class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
@@ -92,7 +116,6 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
 
     def step(self) -> None:
         self.num_steps += 1
-        load = None
         for stream in list(self.streams):
             if not stream.live:
                 continue
@@ -100,10 +123,9 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
             for out in outputs:
                 if out.finish_reason:
                     del stream.live[out.request_id]
-            load = load or self._load()
-            stream.queue.put_nowait(pb.StreamResponse(outputs=outputs, load=load))
+            stream.put(outputs)
             if stream.half_closed and not stream.live:
-                stream.queue.put_nowait(None)
+                stream.end()
 
     def _advance(self, r: _Request) -> pb.RequestOutput:
         token = self.tokens[r.num_out % len(self.tokens)]
@@ -123,8 +145,14 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
         self.streams.add(stream)
         reader = asyncio.create_task(self._read(stream, request_iterator))
         try:
-            while (response := await stream.queue.get()) is not None:
-                yield response
+            while True:
+                await stream.wake.wait()
+                stream.wake.clear()
+                if stream.pending:
+                    outputs, stream.pending = list(stream.pending.values()), {}
+                    yield pb.StreamResponse(outputs=outputs, load=self._load())
+                if stream.ended and not stream.pending:
+                    return
         finally:
             reader.cancel()
             self.streams.discard(stream)
@@ -145,18 +173,19 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
             elif msg.HasField("abort"):
                 aborted = [stream.live.pop(rid) for rid in msg.abort.request_ids if rid in stream.live]
                 if aborted:
-                    outputs = [
-                        pb.RequestOutput(
-                            request_id=r.request_id,
-                            finish_reason=pb.FINISH_REASON_ABORT,
-                            num_prompt_tokens=r.num_prompt_tokens,
-                        )
-                        for r in aborted
-                    ]
-                    stream.queue.put_nowait(pb.StreamResponse(outputs=outputs, load=self._load()))
+                    stream.put(
+                        [
+                            pb.RequestOutput(
+                                request_id=r.request_id,
+                                finish_reason=pb.FINISH_REASON_ABORT,
+                                num_prompt_tokens=r.num_prompt_tokens,
+                            )
+                            for r in aborted
+                        ]
+                    )
         stream.half_closed = True
         if not stream.live:
-            stream.queue.put_nowait(None)
+            stream.end()
 
     async def GetModelInfo(self, request, context):
         return pb.GetModelInfoResponse(
