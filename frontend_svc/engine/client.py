@@ -64,6 +64,10 @@ LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other fro
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
 DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
 REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
+# Adaptive coalescing (see _read): the event-loop turns a finished read is looked for, and
+# the longest the calls' wake-ups wait while the frontend reads a backlog.
+PROBE_TURNS = 3
+MAX_DEFERRED_S = 0.002
 
 
 class _EngineRefusedError(Exception):
@@ -99,6 +103,7 @@ class EngineClient:
         self._on_change = on_change
         self._index = index
         self._requests: dict[str, RequestHandle] = {}
+        self._wake_soon: set[asyncio.Event] = set()  # readers to wake once the stream is read
         # Requests sent that have not produced a token yet -> their prompt tokens to compute.
         self._unstarted: dict[str, int] = {}
         self._unstarted_tokens = 0
@@ -239,18 +244,66 @@ class EngineClient:
         )
         watchdog = asyncio.create_task(self._watch(stub, call))
         try:
-            async for response in call:
-                self._on_response(response)
+            await self._read(call)
         except asyncio.CancelledError:
             if self._hung is None:  # the client is closing, not the watchdog
                 raise
         finally:
+            self._flush_wakeups()
             self._outbox = None
             if self._index is not None:
                 self._index.remove_engine(self.address)
             watchdog.cancel()
             call.cancel()
         return self._hung or "the engine ended the stream"
+
+    async def _read(self, call) -> None:
+        """Reads the stream, delivering each message at once and waking the calls it fed
+        (``wake_soon``) once the stream holds nothing more that is already here.
+
+        While a message is delivered the next read is started; if it completes within
+        PROBE_TURNS turns of the event loop, the engine's messages were waiting for this
+        frontend (it lags), and the calls are woken only after the backlog is read (at most
+        MAX_DEFERRED_S later), so each call writes everything that arrived in one message.
+        An idle frontend finds the next read still waiting and wakes the calls at once:
+        their tokens go out one by one, a few microseconds later than without the probe.
+        """
+        pending = asyncio.ensure_future(call.read())
+        deferred_since = 0.0
+        try:
+            while True:
+                response = await pending
+                if response is grpc.aio.EOF:
+                    return
+                self._on_response(response)
+                pending = asyncio.ensure_future(call.read())
+                if not self._wake_soon:
+                    continue
+                now = time.monotonic()
+                deferred_since = deferred_since or now
+                if now - deferred_since < MAX_DEFERRED_S:
+                    for _ in range(PROBE_TURNS):
+                        await asyncio.sleep(0)
+                        if pending.done():
+                            break
+                    if pending.done():
+                        continue  # more was waiting: read it before the calls write
+                deferred_since = 0.0
+                self._flush_wakeups()
+        finally:
+            if not pending.done():
+                pending.cancel()
+            elif not pending.cancelled():
+                pending.exception()  # retrieved: the session's end reports it, not asyncio
+
+    def wake_soon(self, wakeup: asyncio.Event) -> None:
+        """Sets ``wakeup`` once the stream's messages that are already here are read."""
+        self._wake_soon.add(wakeup)
+
+    def _flush_wakeups(self) -> None:
+        events, self._wake_soon = self._wake_soon, set()
+        for event in events:
+            event.set()
 
     async def _watch(self, stub: engine_pb2_grpc.EngineServiceStub, call) -> None:
         """Polls the load while the stream is quiet, and ends the session when the engine
@@ -361,7 +414,7 @@ class EngineClient:
         trace_context: dict[str, str] | None = None,
         arrival_time: float | None = None,
         wakeup: asyncio.Event | None = None,
-        stream_interval: int = 1,
+        stream_interval: int = 0,
         num_prefill_tokens: int | None = None,
     ) -> RequestHandle:
         """Queue a request on this engine's stream; outputs arrive on the returned handle,
