@@ -446,16 +446,6 @@ class EngineClient:
         self._outbox.put_nowait(message)
         self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
         self._unstarted_tokens += self._unstarted[request_id]
-        self._outbox.put_nowait(
-            convert.add_request(
-                request_id,
-                prompt_token_ids,
-                params,
-                priority=priority,
-                arrival_time=time.time() if arrival_time is None else arrival_time,
-                trace_context=trace_context or {},
-            )
-        )
         return handle
 
     def abort(self, request_ids: list[str], *, stop_string: bool = False) -> None:
