@@ -34,6 +34,7 @@ class FrontendConfig:
     stalled_client_timeout_s: float = 30.0
     stream_interval: int = 0  # 0: adaptive coalescing; N: a message waits for N tokens
     shutdown_timeout: float = 30.0
+    workers: int = 1  # frontend processes on one port (service/workers.py)
     tls_cert: str | None = None
     tls_key: str | None = None
     engine_tls_ca: str | None = None
@@ -198,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=seconds,
         default=d.shutdown_timeout,
         help="seconds in-flight calls may take to finish after SIGTERM",
+    )
+    n.add_argument(
+        "--workers",
+        type=int_in(1),
+        default=d.workers,
+        metavar="N",
+        help="frontend processes serving the port together (SO_REUSEPORT), each with its own engine streams, "
+        "for more tokens/s than one core streams; --metrics-port then serves their metrics summed",
     )
     n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
     n.add_argument("--tls-key", default=None, help="server private key (PEM)")
