@@ -64,10 +64,12 @@ LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other fro
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
 DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
 REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
-# Adaptive coalescing (see _read): the event-loop turns a finished read is looked for, and
-# the longest the calls' wake-ups wait while the frontend reads a backlog.
+# Adaptive coalescing (see _read): the idle event-loop turns a finished read is looked
+# for, how long a turn may take and still count as idle, and the longest the calls'
+# wake-ups wait while the frontend reads a backlog.
 PROBE_TURNS = 3
-MAX_DEFERRED_S = 0.002
+BUSY_TURN_S = 0.0005
+MAX_DEFERRED_S = 0.01
 
 
 class _EngineRefusedError(Exception):
@@ -103,7 +105,10 @@ class EngineClient:
         self._on_change = on_change
         self._index = index
         self._requests: dict[str, RequestHandle] = {}
-        self._wake_soon: set[asyncio.Event] = set()  # readers to wake once the stream is read
+        # Readers to wake once the stream is read, in the order their outputs came (a dict
+        # keeps it), so calls are written in the same order every step: no call's tokens
+        # wait behind the others' one step and go first the next.
+        self._wake_soon: dict[asyncio.Event, None] = {}
         # Requests sent that have not produced a token yet -> their prompt tokens to compute.
         self._unstarted: dict[str, int] = {}
         self._unstarted_tokens = 0
@@ -261,12 +266,14 @@ class EngineClient:
         """Reads the stream, delivering each message at once and waking the calls it fed
         (``wake_soon``) once the stream holds nothing more that is already here.
 
-        While a message is delivered the next read is started; if it completes within
-        PROBE_TURNS turns of the event loop, the engine's messages were waiting for this
-        frontend (it lags), and the calls are woken only after the backlog is read (at most
-        MAX_DEFERRED_S later), so each call writes everything that arrived in one message.
+        While a message is delivered the next read is started; if it completes before the
+        event loop has been idle for PROBE_TURNS turns, the engine's messages were waiting
+        for this frontend (it lags): the calls are woken only after the backlog is read (at
+        most MAX_DEFERRED_S after the first), so each call writes everything that arrived
+        in one message. Turns that other work made long (the calls writing their previous
+        messages) do not count as idle: a busy frontend reads on until the writes are done.
         An idle frontend finds the next read still waiting and wakes the calls at once:
-        their tokens go out one by one, a few microseconds later than without the probe.
+        their tokens go out one by one, a few loop turns later than without the probe.
         """
         pending = asyncio.ensure_future(call.read())
         deferred_since = 0.0
@@ -281,13 +288,8 @@ class EngineClient:
                     continue
                 now = time.monotonic()
                 deferred_since = deferred_since or now
-                if now - deferred_since < MAX_DEFERRED_S:
-                    for _ in range(PROBE_TURNS):
-                        await asyncio.sleep(0)
-                        if pending.done():
-                            break
-                    if pending.done():
-                        continue  # more was waiting: read it before the calls write
+                if now - deferred_since < MAX_DEFERRED_S and await _arrives_before_idle(pending):
+                    continue  # more was waiting: read it before the calls write
                 deferred_since = 0.0
                 self._flush_wakeups()
         finally:
@@ -298,10 +300,10 @@ class EngineClient:
 
     def wake_soon(self, wakeup: asyncio.Event) -> None:
         """Sets ``wakeup`` once the stream's messages that are already here are read."""
-        self._wake_soon.add(wakeup)
+        self._wake_soon[wakeup] = None
 
     def _flush_wakeups(self) -> None:
-        events, self._wake_soon = self._wake_soon, set()
+        events, self._wake_soon = self._wake_soon, {}
         for event in events:
             event.set()
 
@@ -496,6 +498,20 @@ class EngineClient:
                 raise ValueError(f"{name}: sha256 {actual} does not match the engine's {digest}")
         logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
         return {name: bytes(buf) for name, buf in files.items()}
+
+
+async def _arrives_before_idle(pending: asyncio.Future) -> bool:
+    """Whether ``pending`` completes before the event loop has made PROBE_TURNS idle turns
+    (turns shorter than BUSY_TURN_S: nothing else was waiting to run)."""
+    idle_turns = 0
+    last = time.perf_counter()
+    while not pending.done() and idle_turns < PROBE_TURNS:
+        await asyncio.sleep(0)
+        now = time.perf_counter()
+        if now - last < BUSY_TURN_S:
+            idle_turns += 1
+        last = now
+    return pending.done()
 
 
 async def _drain(outbox: asyncio.Queue):
