@@ -1,20 +1,24 @@
 """A load-testing engine: serves tandem.engine.v1.EngineService with no model at all.
 
-    python -m benchmarks.token_engine [--model DIR] [--port 0] [--step-ms 1] [--ready-file PATH]
+    python -m benchmarks.token_engine [--model DIR] [--port 0] [--step-ms 1] [--step-ms-file PATH]
+        [--ready-file PATH]
 
 It exists to drive a frontend at GPU-like token rates on a small machine, and only for
 benchmarks: it is never a stand-in for the real engine in tests of engine behaviour.
 
 Every ``--step-ms`` milliseconds it runs one "step": each live request of each stream
-gets one token, and each stream with news gets one StreamResponse, as the real engine
-does; while a stream's previous message is still being written, the next steps' tokens
-are merged per request into one message (as the engine's StreamBacklog merges for a
-frontend that lags). Requests follow the engine's finish rules: max_tokens and the context length end
-them with LENGTH; a stop token id (or EOS unless ignore_eos) after min_tokens ends them
-with STOP; Abort and a closed stream end them with ABORT. The tokens are the ids of a
-sample text in the model's tokenizer, cycled, so the frontend detokenizes real text.
-GetModelInfo and GetTokenizer serve the model directory's files (default: the built-in
-demo model), so a frontend needs nothing else.
+gets one token (when the process woke late, the steps it missed run at once, up to 8
+tokens per request, so the offered rate holds), and each stream with news gets one
+StreamResponse, as the real engine does; while a stream's previous message is still
+being written, the next steps' tokens are merged per request into one message (as the
+engine's StreamBacklog merges for a frontend that lags). ``--step-ms-file`` lets a
+benchmark change the period while it runs. Requests follow the engine's finish rules:
+max_tokens and the context length end them with LENGTH; a stop token id (or EOS unless
+ignore_eos) after min_tokens ends them with STOP; Abort and a closed stream end them
+with ABORT; an Add whose id is in flight is ignored (the engine refuses it in band). The
+tokens are the ids of a sample text in the model's tokenizer, cycled, so the frontend
+detokenizes real text. GetModelInfo and GetTokenizer serve the model directory's files
+(default: the built-in demo model), so a frontend needs nothing else.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog while the river runs past the old mill, "
     "and a small boat drifts along under a grey and quiet sky. "
 )
+STEP_FILE_POLL_S = 0.2
+MAX_CATCH_UP_STEPS = 8  # most steps a late wake-up runs at once
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -102,24 +108,41 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
 
     # -- the step loop ---------------------------------------------------------------------
 
-    async def run(self) -> None:
+    async def run(self, step_file: Path | None = None) -> None:
         next_step = time.perf_counter()
+        checked = 0.0
         while True:
+            if step_file is not None and next_step - checked > STEP_FILE_POLL_S:
+                checked = next_step
+                self._read_step(step_file)
             next_step += self.step_s
             delay = next_step - time.perf_counter()
+            num_tokens = 1
             if delay > 0:
                 await asyncio.sleep(delay)
             else:
-                next_step = time.perf_counter()  # behind: do not try to catch up in a burst
+                # Behind (this process got no CPU in time): the steps missed are run now, as
+                # one step of several tokens, so the token rate offered holds; past
+                # MAX_CATCH_UP_STEPS the rest is dropped.
+                missed = int(-delay / self.step_s)
+                num_tokens = 1 + min(missed, MAX_CATCH_UP_STEPS - 1)
+                next_step = time.perf_counter() if missed >= MAX_CATCH_UP_STEPS else next_step + missed * self.step_s
                 await asyncio.sleep(0)
-            self.step()
+            self.step(num_tokens)
 
-    def step(self) -> None:
+    def _read_step(self, path: Path) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            step_s = float(path.read_text()) / 1000.0
+            if step_s > 0 and step_s != self.step_s:
+                self.step_s = step_s
+                logger.info("one step every %.3f ms", step_s * 1000)
+
+    def step(self, num_tokens: int = 1) -> None:
         self.num_steps += 1
         for stream in list(self.streams):
             if not stream.live:
                 continue
-            outputs = [self._advance(r) for r in list(stream.live.values())]
+            outputs = [self._advance(r, num_tokens) for r in list(stream.live.values())]
             for out in outputs:
                 if out.finish_reason:
                     del stream.live[out.request_id]
@@ -127,15 +150,19 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
             if stream.half_closed and not stream.live:
                 stream.end()
 
-    def _advance(self, r: _Request) -> pb.RequestOutput:
-        token = self.tokens[r.num_out % len(self.tokens)]
-        r.num_out += 1
-        out = pb.RequestOutput(request_id=r.request_id, new_token_ids=[token], num_prompt_tokens=r.num_prompt_tokens)
-        if r.num_out >= r.min_tokens and token in r.stop_token_ids:
-            out.finish_reason = pb.FINISH_REASON_STOP
-            out.stop_token_id = token
-        elif r.num_out >= r.max_tokens or r.num_prompt_tokens + r.num_out >= self.max_model_len:
-            out.finish_reason = pb.FINISH_REASON_LENGTH
+    def _advance(self, r: _Request, num_tokens: int) -> pb.RequestOutput:
+        out = pb.RequestOutput(request_id=r.request_id, num_prompt_tokens=r.num_prompt_tokens)
+        for _ in range(num_tokens):
+            token = self.tokens[r.num_out % len(self.tokens)]
+            r.num_out += 1
+            out.new_token_ids.append(token)
+            if r.num_out >= r.min_tokens and token in r.stop_token_ids:
+                out.finish_reason = pb.FINISH_REASON_STOP
+                out.stop_token_id = token
+                break
+            if r.num_out >= r.max_tokens or r.num_prompt_tokens + r.num_out >= self.max_model_len:
+                out.finish_reason = pb.FINISH_REASON_LENGTH
+                break
         return out
 
     # -- RPCs --------------------------------------------------------------------------------
@@ -161,6 +188,9 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
         async for msg in request_iterator:
             if msg.HasField("add"):
                 add = msg.add
+                if add.request_id in stream.live:  # the engine refuses it in band; here it is only said
+                    logger.warning("add for %s, already in flight, ignored", add.request_id)
+                    continue
                 p = add.sampling_params
                 r = _Request(
                     add.request_id,
@@ -229,7 +259,7 @@ async def serve(args) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    stepper = asyncio.create_task(engine.run())
+    stepper = asyncio.create_task(engine.run(Path(args.step_ms_file) if args.step_ms_file else None))
     await stop.wait()
     remove_ready_file(args.ready_file)
     stepper.cancel()
@@ -245,6 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--step-ms", type=float, default=1.0, help="milliseconds between steps (one token per request)")
+    p.add_argument(
+        "--step-ms-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the step period in ms, read about every 0.2 s: a benchmark changes the token rate "
+        "without a restart (benchmarks.capacity)",
+    )
     p.add_argument("--max-model-len", type=int, default=1 << 20)
     p.add_argument("--ready-file", default=None, help="JSON with the port, as the real services write it")
     args = p.parse_args(argv)
