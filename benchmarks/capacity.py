@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -198,6 +199,9 @@ async def run_setting(name: str, args) -> dict:
         if frontend is not None:
             frontend.terminate()
         engine.terminate()
+    late = re.findall(r"stopped after (\d+) steps, (\d+) of them late", engine.log())
+    if late:  # late steps give several tokens per request in one engine output
+        points["engine_steps"] = {"total": int(late[-1][0]), "late": int(late[-1][1])}
     return points
 
 
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         "duration_s": time.time() - started,
         "settings": {name: " ".join(SETTINGS[name]) or "(defaults)" for name in names},
         "points": results,
+        "engine_steps": {name: by_calls.pop("engine_steps", None) for name, by_calls in results.items()},
         "capacity": {
             name: {calls: capacity(points) for calls, points in by_calls.items()} for name, by_calls in results.items()
         },

@@ -63,6 +63,9 @@ def _fmt(value, spec: str = ".0f") -> str:
 
 
 def print_report(report: dict) -> None:
+    for setting, steps in report.get("engine_steps", {}).items():
+        if steps:
+            print(f"token engine ({setting}): {steps['late']} of {steps['total']} steps ran late (several tokens each)")
     print(
         f"CPU: {report['cpu']}; load average before {report['load_average_before']}, after "
         f"{report['load_average_after']}; {report['duration_s']:.0f} s"

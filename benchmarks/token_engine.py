@@ -101,6 +101,7 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
         self.tokens = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False).ids
         self.streams: set[_Stream] = set()
         self.num_steps = 0
+        self.num_late_steps = 0  # steps that ran missed steps too (several tokens per request)
 
     def _load(self) -> pb.EngineLoad:
         running = sum(len(s.live) for s in self.streams)
@@ -135,10 +136,11 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
             step_s = float(path.read_text()) / 1000.0
             if step_s > 0 and step_s != self.step_s:
                 self.step_s = step_s
-                logger.info("one step every %.3f ms", step_s * 1000)
+                logger.info("one step every %.3f ms (%d steps ran late so far)", step_s * 1000, self.num_late_steps)
 
     def step(self, num_tokens: int = 1) -> None:
         self.num_steps += 1
+        self.num_late_steps += num_tokens > 1
         for stream in list(self.streams):
             if not stream.live:
                 continue
@@ -266,7 +268,9 @@ async def serve(args) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await stepper
     await server.stop(grace=1.0)
-    logger.info("stopped after %d steps", engine.num_steps)
+    logger.info(
+        "stopped after %d steps, %d of them late (several tokens each)", engine.num_steps, engine.num_late_steps
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
