@@ -20,6 +20,8 @@ Figures per rate (the JSON holds one entry per rate, the table one column):
 * ITL: each gap between two streamed messages divided by the tokens the later one carries,
   counted once per token (so a message of 3 tokens after 30 ms gives three 10 ms samples);
   TPOT: (E2E - TTFT) / (output tokens - 1) per request;
+* ``tokens_per_message``: output tokens over the streamed messages that carried tokens
+  (1.0 while every token goes alone; more when the frontend coalesces);
 * errors by gRPC status code;
 * ``prefix_cache_hit_rate``: prompt tokens served from the engines' prefix caches (each
   call's usage.cached_tokens) over all prompt tokens of the calls that completed;
