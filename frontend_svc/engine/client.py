@@ -286,9 +286,8 @@ class EngineClient:
                 pending = asyncio.ensure_future(call.read())
                 if not self._wake_soon:
                     continue
-                now = time.monotonic()
-                deferred_since = deferred_since or now
-                if now - deferred_since < MAX_DEFERRED_S and await _arrives_before_idle(pending):
+                deferred_since = deferred_since or time.monotonic()
+                if await _arrives_before_idle(pending, deferred_since + MAX_DEFERRED_S):
                     continue  # more was waiting: read it before the calls write
                 deferred_since = 0.0
                 self._flush_wakeups()
@@ -500,19 +499,21 @@ class EngineClient:
         return {name: bytes(buf) for name, buf in files.items()}
 
 
-async def _arrives_before_idle(pending: asyncio.Future) -> bool:
+async def _arrives_before_idle(pending: asyncio.Future, deadline: float) -> bool:
     """Whether ``pending`` completes before the event loop has made PROBE_TURNS idle turns
     (turns that took the loop's thread less than BUSY_TURN_S of CPU: nothing else was
-    waiting to run; CPU time, so that a turn the OS preempted does not look busy)."""
+    waiting to run; CPU time, so that a turn the OS preempted does not look busy), and
+    before ``deadline`` (time.monotonic()): a loop kept busy by other work while the
+    engine sends nothing must not hold the calls' wake-ups."""
     idle_turns = 0
     last = time.thread_time()
-    while not pending.done() and idle_turns < PROBE_TURNS:
+    while not pending.done() and idle_turns < PROBE_TURNS and time.monotonic() < deadline:
         await asyncio.sleep(0)
         now = time.thread_time()
         if now - last < BUSY_TURN_S:
             idle_turns += 1
         last = now
-    return pending.done()
+    return pending.done() and time.monotonic() < deadline
 
 
 async def _drain(outbox: asyncio.Queue):

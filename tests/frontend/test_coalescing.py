@@ -4,6 +4,7 @@ and merged or split outputs give the same text, logprobs and ends to the byte.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -112,6 +113,31 @@ async def test_a_long_backlog_wakes_the_call_within_the_deferral_bound(monkeypat
 
     takes = await _read_all(handle, stream, feed)
     assert len(takes) > 1 and sum(takes, []) == list(range(10, 16))
+
+
+async def test_a_busy_loop_with_a_quiet_engine_still_wakes_the_call():
+    """Other work keeping every loop turn busy while the engine sends nothing more must not
+    hold a delivered token back (the probe for a backlog gives up at MAX_DEFERRED_S)."""
+    handle, stream = _handle(0), FakeStream()
+    stream.put_token("r", 10)
+    stop = False
+
+    async def busy() -> None:  # a millisecond of CPU every turn, as many calls' set-up would
+        while not stop:
+            start = time.thread_time()
+            while time.thread_time() - start < 0.001:
+                pass
+            await asyncio.sleep(0)
+
+    burner = asyncio.create_task(busy())
+    reader = asyncio.create_task(handle.client._read(stream))
+    try:
+        await asyncio.wait_for(handle.wakeup.wait(), 5.0)
+        assert handle.take().new_token_ids == [10]
+    finally:
+        stop = True
+        stream.messages.put_nowait(grpc.aio.EOF)
+        await asyncio.gather(burner, reader)
 
 
 # -- merged and split outputs give the same stream -------------------------------------------------
