@@ -19,7 +19,6 @@ then engine: SIGTERM, SIGKILL after a timeout). This process
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shlex
 import signal
@@ -32,6 +31,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from tandem_common.flags import int_in
+from tandem_common.parent_death import die_with_parent
 from tandem_common.ready import wait_ready_file
 
 TAIL_LINES = 20  # of a child's log, kept to show when it dies
@@ -54,23 +55,8 @@ class ServiceExited(Exception):
 
 
 def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the kernel SIGTERM the child when this process dies
-    (Linux's PR_SET_PDEATHSIG); None elsewhere. Resolved here, before any fork: the child
-    only calls into libc."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
+    """A ``preexec_fn`` that makes the kernel SIGTERM the child when this process dies."""
+    return die_with_parent(os.getpid())
 
 
 class Service:
@@ -187,6 +173,8 @@ class Pair:
             "--engine",
             f"{args.host}:{port}",
         ]
+        if getattr(args, "workers", 1) > 1:
+            frontend_argv += ["--workers", str(args.workers)]
         self.frontend = Service("frontend", frontend_argv + _split(args.frontend_arg), self.echo)
         self.frontend.wait("listening", 120, self.check)
 
@@ -364,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
     pair_options(serve)
     serve.add_argument("--port", type=int, default=50050, help="frontend port (the public API)")
     serve.add_argument("--engine-port", type=int, default=50051, help="engine port")
+    serve.add_argument(
+        "--workers",
+        type=int_in(1),
+        default=1,
+        metavar="N",
+        help="frontend processes serving the frontend port together (the frontend's --workers)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     trial = sub.add_parser("try", help="start both on free ports, stream one completion, stop both")

@@ -20,6 +20,8 @@ Figures per rate (the JSON holds one entry per rate, the table one column):
 * ITL: each gap between two streamed messages divided by the tokens the later one carries,
   counted once per token (so a message of 3 tokens after 30 ms gives three 10 ms samples);
   TPOT: (E2E - TTFT) / (output tokens - 1) per request;
+* ``tokens_per_message``: output tokens over the streamed messages that carried tokens
+  (1.0 while every token goes alone; more when the frontend coalesces);
 * errors by gRPC status code;
 * ``prefix_cache_hit_rate``: prompt tokens served from the engines' prefix caches (each
   call's usage.cached_tokens) over all prompt tokens of the calls that completed;
@@ -72,6 +74,7 @@ class RequestResult:
     ttft: float | None = None
     done: float | None = None
     num_output_tokens: int = 0
+    num_messages: int = 0  # streamed messages that carried tokens
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
     itl: list[float] = field(default_factory=list)  # one sample per token after the first message
 
@@ -108,6 +111,7 @@ async def _generate(stub, request: dict, arrival: float, sent: float, timeout: f
                     result.itl.extend([(now - last) / k] * k)
                 last = now
                 result.num_output_tokens += k
+                result.num_messages += 1
             if response.HasField("usage"):
                 result.num_cached_tokens = response.usage.cached_tokens
         result.done = time.perf_counter()
@@ -192,6 +196,7 @@ def summarize(results: list[RequestResult], wall_s: float, rate: float) -> dict:
         "num_output_tokens": num_output,
         "num_cached_tokens": num_cached,
         "prefix_cache_hit_rate": num_cached / num_prompt if num_prompt else 0.0,
+        "tokens_per_message": num_output / max(sum(r.num_messages for r in results), 1),
         "req_per_s": len(ok) / wall_s,
         "output_tok_per_s": num_output / wall_s,
         "total_tok_per_s": (num_prompt + num_output) / wall_s,

@@ -40,6 +40,7 @@ def format_table(report: dict) -> str:
         ("requests/s", [_num(e["req_per_s"], ".2f") for e in entries]),
         ("output tokens/s", [_num(e["output_tok_per_s"], ".1f") for e in entries]),
         ("total tokens/s", [_num(e["total_tok_per_s"], ".1f") for e in entries]),
+        ("tokens/message", [_num(e.get("tokens_per_message"), ".2f") for e in entries]),
         (
             "arrivals/s -> completions/s",
             [f"{_num(e['arrival_req_per_s'], '.2f')} -> {_num(e['completion_req_per_s'], '.2f')}" for e in entries],

@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("; ".join(problems))
     setup_logging(config.log_level, config.log_format)
+    if config.workers > 1:
+        from frontend_svc.service.workers import run_workers
+
+        return run_workers(config)
     from frontend_svc.service.server import FrontendServer
 
     asyncio.run(FrontendServer(config).serve_until_signal())

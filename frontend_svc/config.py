@@ -32,8 +32,9 @@ class FrontendConfig:
     max_n: int = 16
     max_concurrent_calls: int = 1024
     stalled_client_timeout_s: float = 30.0
-    stream_interval: int = 1
+    stream_interval: int = 0  # 0: adaptive coalescing; N: a message waits for N tokens
     shutdown_timeout: float = 30.0
+    workers: int = 1  # frontend processes on one port (service/workers.py)
     tls_cert: str | None = None
     tls_key: str | None = None
     engine_tls_ca: str | None = None
@@ -66,8 +67,8 @@ class FrontendConfig:
             problems.append("--engine-tls-cert and --engine-tls-key go together")
         if self.max_n < 1:
             problems.append("--max-n must be at least 1")
-        if self.stream_interval < 1:
-            problems.append("--stream-interval must be at least 1")
+        if self.stream_interval < 0:
+            problems.append("--stream-interval must be >= 0 (0: adaptive)")
         if self.max_stop_strings < 0:
             problems.append("--max-stop-strings must be >= 0")
         if self.max_stop_string_chars < 1:
@@ -199,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.shutdown_timeout,
         help="seconds in-flight calls may take to finish after SIGTERM",
     )
+    n.add_argument(
+        "--workers",
+        type=int_in(1),
+        default=d.workers,
+        metavar="N",
+        help="frontend processes serving the port together (SO_REUSEPORT), each with its own engine streams, "
+        "for more tokens/s than one core streams; --metrics-port then serves their metrics summed",
+    )
     n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
     n.add_argument("--tls-key", default=None, help="server private key (PEM)")
     n.add_argument(
@@ -240,9 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.stream_interval,
         metavar="N",
-        help="send a streamed choice its new text once N tokens have arrived (the first token "
-        "and the end are sent at once); above 1 this trades inter-token latency for fewer "
-        "messages and less frontend CPU per token",
+        help="0 (default): adaptive, each streamed message carries every token that arrived "
+        "while the call's previous message was on its way (one token per message at light "
+        "load, several when the frontend is saturated); N: a message waits for N tokens (the "
+        "first token and the end are sent at once), 1 sends exactly one message per token",
     )
 
     o = p.add_argument_group("observability")

@@ -42,12 +42,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+def setup_logging(level: str = "INFO", fmt: str = "text", worker: int | None = None) -> None:
+    """``worker``: one of several processes of one service (frontend --workers); each line
+    then says which, and its pid (text: ``[worker 1 pid 4242]``; JSON: ``worker``, ``pid``)."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tag = " [worker %(worker)s pid %(pid)s]" if worker is not None else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s"))
+    if worker is not None:
+        handler.addFilter(_WorkerTag(worker))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class _WorkerTag(logging.Filter):
+    def __init__(self, worker: int) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.worker
+        record.pid = record.process
+        return True

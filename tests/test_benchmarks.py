@@ -260,3 +260,23 @@ def test_compare_routing_runs_both_policies_and_reports_them(engine_proc, tmp_pa
     assert "prefix over least-load" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # one rate, two or more engines, launched
         serve.parse_args(["--target", "x:1", "--compare-routing", *MULTI])
+
+
+def test_capacity_runs_each_setting_and_fills_every_figure(tmp_path, capsys):
+    """benchmarks.capacity on a token engine: every point measured, the report and ratios written."""
+    from benchmarks import capacity
+
+    out = tmp_path / "capacity.json"
+    capacity.main(
+        ["--calls", "1,64", "--rates", "500", "--settings", "default,interval1", "--window-s", "0.3"]
+        + ["--json", str(out), "--plot", str(tmp_path / "capacity.png")]
+    )
+    report = json.loads(out.read_text())
+    for setting in ("default", "interval1"):
+        for calls in ("1", "64"):
+            (point,) = report["points"][setting][calls]
+            assert point["tok_per_s"] > 0 and point["tokens_per_message"] >= 1 and point["errors"] == []
+            assert point["frontend_cpu_us_per_token"] > 0 and not _holes(point)
+    assert set(report["ratios"]) == {"64", "1"}
+    assert (tmp_path / "capacity.png").stat().st_size > 0
+    assert "capacity tok/s" in capsys.readouterr().out

@@ -23,13 +23,16 @@ class RequestHandle:
     Outputs that arrive before the consumer reads are merged into one (so a slow
     consumer gets one coalesced delta, not a growing queue). ``wakeup`` is set when the
     reader should look: on the first output, the last one, an error, and whenever
-    ``stream_interval`` tokens are pending (every delivery at the default of 1). Several
-    handles may share one event so that a caller waits on all of them. Iterate
-    (``async for``) only when the event is not shared.
+    ``stream_interval`` tokens are pending. With ``stream_interval`` 0 (adaptive, the
+    default) every delivery asks for a wake-up, but the client sets the event only once it
+    has read what the engine stream holds (``EngineClient.wake_soon``): a frontend that
+    lags reads several engine messages before its calls write, so each write carries all
+    the tokens that arrived meanwhile. Several handles may share one event so that a
+    caller waits on all of them. Iterate (``async for``) only when the event is not shared.
     """
 
     def __init__(
-        self, request_id: str, client: EngineClient, wakeup: asyncio.Event | None, stream_interval: int = 1
+        self, request_id: str, client: EngineClient, wakeup: asyncio.Event | None, stream_interval: int = 0
     ) -> None:
         self.request_id = request_id
         self.client = client
@@ -59,10 +62,13 @@ class RequestHandle:
             not self._woken
             or pending.finished
             or pending.error is not None
-            or len(pending.new_token_ids) >= self.stream_interval
+            or len(pending.new_token_ids) >= max(self.stream_interval, 1)
         ):
             self._woken = True
-            self.wakeup.set()
+            if self.stream_interval:
+                self.wakeup.set()
+            else:
+                self.client.wake_soon(self.wakeup)
 
     def fail(self, error: Exception) -> None:
         """The request is lost (its stream broke): ``take()`` raises ``error`` once the outputs

@@ -57,6 +57,27 @@ class EngineOutput:
         if later.finished:
             self.finish_reason, self.stop_token_id, self.error = later.finish_reason, later.stop_token_id, later.error
 
+    def split(self) -> list[EngineOutput]:
+        """One output per token, as if each had come alone (``--stream-interval 1``): the
+        first carries the prompt logprobs, the last the finish; merge() undoes it."""
+        if len(self.new_token_ids) < 2:
+            return [self]
+        has_logprobs = len(self.logprobs) == len(self.new_token_ids)
+        parts = [
+            EngineOutput(
+                self.request_id,
+                [t],
+                [self.logprobs[i]] if has_logprobs else [],
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_cached_tokens=self.num_cached_tokens,
+            )
+            for i, t in enumerate(self.new_token_ids)
+        ]
+        parts[0].prompt_logprobs = self.prompt_logprobs
+        last = parts[-1]
+        last.finish_reason, last.stop_token_id, last.error = self.finish_reason, self.stop_token_id, self.error
+        return parts
+
 
 @dataclass
 class EngineLoad:

@@ -2,6 +2,12 @@
 
 docs/observability.md lists every metric. Latencies are measured from the moment a
 Generate call reaches the servicer, on the frontend's clock.
+
+With ``--workers N`` each worker writes its metrics to files (prometheus-client's
+multiprocess mode) and the parent serves them summed (``serve_multiprocess``): counters
+and histograms add up over the workers, and each gauge says how it combines
+(``multiprocess_mode``). Scrape-time collectors (the per-engine gauges, the process
+figures) exist only in one process and are left out with several workers.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ class FrontendMetrics:
             ["finish_reason"],
             registry=r,
         )
-        self.in_flight = Gauge("tandem_frontend_requests_in_flight", "Generate calls in progress", registry=r)
+        self.in_flight = Gauge(
+            "tandem_frontend_requests_in_flight", "Generate calls in progress", registry=r, multiprocess_mode="livesum"
+        )
         self.ttft = Histogram(
             "tandem_frontend_time_to_first_token_seconds",
             "Call start to the first response carrying an output token",
@@ -65,11 +73,15 @@ class FrontendMetrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
-        self.engines_connected = Gauge("tandem_frontend_engines_connected", "Engines with a live stream", registry=r)
+        # With several workers: the fewest engines any worker has a stream to (0 when one has none).
+        self.engines_connected = Gauge(
+            "tandem_frontend_engines_connected", "Engines with a live stream", registry=r, multiprocess_mode="livemin"
+        )
         self.engines_refused = Gauge(
             "tandem_frontend_engines_refused",
             "Engines refused because they serve another model than the first engine accepted",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.routing_decisions = Counter(
             "tandem_frontend_routing_decisions",
@@ -101,6 +113,22 @@ class FrontendMetrics:
 
     def serve(self, port: int, host: str) -> None:
         serve_metrics(port, self.registry, host=host)
+
+
+def serve_multiprocess(port: int, host: str, path: str) -> None:
+    """Serves the metrics the processes writing to ``path`` record, combined (--workers)."""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)
+    serve_metrics(port, registry, host=host)
+
+
+def mark_worker_dead(pid: int, path: str) -> None:
+    """Drops a stopped worker's live gauges (livesum, livemin, livemax)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, path)
 
 
 class _EngineCollector(Collector):

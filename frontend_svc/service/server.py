@@ -94,8 +94,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 class FrontendServer:
-    def __init__(self, config: FrontendConfig) -> None:
+    def __init__(self, config: FrontendConfig, worker: int | None = None) -> None:
         self.config = config
+        self.worker = worker  # one of --workers processes sharing the port (service/workers.py)
         credentials = None
         if config.engine_tls:
             credentials = engine_credentials(config.engine_tls_ca, config.engine_tls_cert, config.engine_tls_key)
@@ -148,7 +149,10 @@ class FrontendServer:
         # The key check runs first: an unauthenticated caller learns nothing about its request.
         interceptors = [ApiKeyInterceptor(keys)] if keys else []
         interceptors.append(MalformedRequestInterceptor(f"/{generate.SERVICE_NAME}/"))
-        self.server = grpc.aio.server(options=server_options(cfg.max_message_bytes), interceptors=interceptors)
+        options = server_options(cfg.max_message_bytes)
+        if self.worker is not None:  # the workers bind one port; the kernel spreads connections over them
+            options.append(("grpc.so_reuseport", 1))
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         generate.add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

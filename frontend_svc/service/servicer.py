@@ -66,7 +66,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         *,
         limits: RequestLimits | None = None,
         calls: InFlightCalls | None = None,
-        stream_interval: int = 1,
+        stream_interval: int = 0,
         metrics: FrontendMetrics | None = None,
         tracer=None,
     ) -> None:
@@ -200,24 +200,22 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 wakeup.clear()
                 # Everything that arrived while the client was slow is merged into one piece.
                 for i in sorted(unfinished):
-                    out = handles[i].take()
-                    if out is None:
+                    merged = handles[i].take()
+                    if merged is None:
                         continue
-                    if out.error is not None:
-                        message = out.error.message
-                        if out.error.field and out.error.field not in message:
-                            message = f"{out.error.field}: {message}"
-                        error = EngineRefused if out.error.code is ErrorCode.UNAVAILABLE else RequestError
-                        raise error(out.error.code, message)
-                    piece = choices[i].process(out)
-                    if piece is None:
-                        continue
-                    if piece.abort_engine:  # a stop string ended it: the engine counts a stop
-                        handles[i].abort(stop_string=True)
-                    if piece.finished:
-                        unfinished.discard(i)
-                    stats.piece(piece)
-                    yield convert.generate_response(piece, plan.text.return_token_ids)
+                    # --stream-interval 1: one message per token, however the tokens came.
+                    for out in merged.split() if self.stream_interval == 1 else (merged,):
+                        if out.error is not None:
+                            raise _engine_error(out.error)
+                        piece = choices[i].process(out)
+                        if piece is None:
+                            continue
+                        if piece.abort_engine:  # a stop string ended it: the engine counts a stop
+                            handles[i].abort(stop_string=True)
+                        if piece.finished:
+                            unfinished.discard(i)
+                        stats.piece(piece)
+                        yield convert.generate_response(piece, plan.text.return_token_ids)
         except EngineRequestTooLargeError as e:
             raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
@@ -302,6 +300,14 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
 # stall the event loop, and with it every other call, stream and health check. Below it
 # tokenizing takes well under a millisecond.
 _OFF_LOOP_BYTES = 4096
+
+
+def _engine_error(error) -> RequestError:
+    """An engine's in-band error as the call's error (EngineRefused: it is draining)."""
+    message = error.message
+    if error.field and error.field not in message:
+        message = f"{error.field}: {message}"
+    return (EngineRefused if error.code is ErrorCode.UNAVAILABLE else RequestError)(error.code, message)
 
 
 def _ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

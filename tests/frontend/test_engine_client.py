@@ -100,3 +100,12 @@ async def test_a_rejected_add_is_logged_and_never_ends_the_live_request(serve, c
     outputs = [out async for out in handle]
     assert [(o.new_token_ids, o.error) for o in outputs] == [([7], None)]  # the rejection was not delivered
     assert "rejected an add for r1: already in flight" in caplog.text
+
+
+async def test_add_sends_one_add_message_per_request():
+    """Each request costs one Add on the engine stream (a second one is refused by the
+    engine as a duplicate id, a wasted message and a warning per call)."""
+    client = EngineClient("127.0.0.1:1")
+    client._outbox, client.connected = asyncio.Queue(), True
+    client.add("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    assert client._outbox.qsize() == 1 and client._outbox.get_nowait().add.request_id == "a"

@@ -100,6 +100,7 @@ EVERYTHING_VALUES: dict[str, Any] = {
         },
         "preStopSleepSeconds": 0,
         "routing": {"policy": "least-load", "loadThresholdTokens": 4096},
+        "workers": 2,
         "extraArgs": ["--tokenizer", "/tokenizer"],
         "affinity": {
             "podAntiAffinity": {

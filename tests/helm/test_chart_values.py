@@ -134,6 +134,14 @@ def test_engine_flags_from_values(chart):
     assert "--kv-cache-bytes" not in args and "--dtype" not in args
 
 
+def test_frontend_workers_from_values(chart):
+    args = container(find(render(chart), "Deployment", FRONTEND))["args"]
+    assert "--workers" not in args  # one process, the frontend's default
+    args = container(find(render(chart, {"frontend": {"workers": 3}}), "Deployment", FRONTEND))["args"]
+    assert flag(args, "--workers") == ["3"]
+    assert "/frontend/workers" in render_error(chart, {"frontend": {"workers": 0}})
+
+
 def test_frontend_routing_flags_from_values(chart):
     args = container(find(render(chart), "Deployment", FRONTEND))["args"]
     assert flag(args, "--routing") == ["prefix"] and "--routing-load-threshold" not in args
