@@ -29,7 +29,6 @@ index at once, and the next session starts again from the engine's snapshot.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import time
@@ -38,6 +37,14 @@ from collections.abc import Callable
 import grpc
 
 from frontend_svc.engine import convert
+from frontend_svc.engine.channel import (
+    BACKOFF_CAP_S,
+    BACKOFF_INITIAL_S,
+    RPC_TIMEOUT_S,
+    fetch_tokenizer_files,
+    open_channel,
+    tokenizer_digests,
+)
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.types import (
@@ -47,19 +54,12 @@ from frontend_svc.engine.types import (
     ModelIdentity,
     ModelInfo,
 )
-from frontend_svc.text.tokenizer import TOKENIZER_FILE_NAMES
 from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# A ping every 10 s, answered within 10 s (both the keepalive and the general HTTP/2 ping
-# timeout, which is 60 s unless set): a dead peer is noticed within 20 s at worst.
-KEEPALIVE_MS = 10_000
-BACKOFF_INITIAL_S = 0.05
-BACKOFF_CAP_S = 2.0
-RPC_TIMEOUT_S = 10.0
 LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other frontends' load)
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
 DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
@@ -153,24 +153,7 @@ class EngineClient:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        options = [
-            ("grpc.max_send_message_length", self._max_message_bytes),
-            ("grpc.max_receive_message_length", self._max_message_bytes),
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-            ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.initial_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000) or 1),
-            ("grpc.min_reconnect_backoff_ms", int(BACKOFF_INITIAL_S * 1000) or 1),
-            ("grpc.max_reconnect_backoff_ms", int(BACKOFF_CAP_S * 1000)),
-        ]
-        if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=options)
-        else:
-            if self._tls_server_name:
-                options.append(("grpc.ssl_target_name_override", self._tls_server_name))
-            self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
+        self._channel = open_channel(self.address, self._credentials, self._tls_server_name, self._max_message_bytes)
         self._task = asyncio.create_task(self._run(), name=f"engine {self.address}")
 
     async def close(self, reason: str = "the frontend closed the connection") -> None:
@@ -219,7 +202,7 @@ class EngineClient:
         info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
         model_info = convert.model_info(info)
         if self._accept is not None:
-            identity = ModelIdentity(model_info.model_name, model_info.vocab_size, await self._tokenizer_digests(stub))
+            identity = ModelIdentity(model_info.model_name, model_info.vocab_size, await tokenizer_digests(stub))
             problem = self._accept(self, identity)
             if problem is not None:
                 raise _EngineRefusedError(problem)
@@ -330,18 +313,6 @@ class EngineClient:
                 continue
             self._last_heard_s = time.monotonic()
             self._set_load(response.load)
-
-    async def _tokenizer_digests(self, stub: engine_pb2_grpc.EngineServiceStub) -> tuple[tuple[str, str], ...]:
-        """(file name, sha256) of the engine's tokenizer files that the frontend reads."""
-        digests: dict[str, str] = {}
-        try:
-            async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
-                if chunk.file_name in TOKENIZER_FILE_NAMES:
-                    digests[chunk.file_name] = chunk.sha256.lower()
-        except grpc.aio.AioRpcError as e:
-            if e.code() is not grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: the engine has no tokenizer files
-                raise
-        return tuple(sorted(digests.items()))
 
     def _set_refused(self, problem: str | None) -> None:
         if problem != self.refused:
@@ -474,29 +445,10 @@ class EngineClient:
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
         """Download the tokenizer files and check each against its sha256 ({} if the engine has none)."""
-        stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        files: dict[str, bytearray] = {}
-        digests: dict[str, tuple[int, str]] = {}
-        try:
-            async for chunk in stub.GetTokenizer(engine_pb2.GetTokenizerRequest(), timeout=120):
-                buf = files.setdefault(chunk.file_name, bytearray())
-                if chunk.offset != len(buf):
-                    raise ValueError(f"{chunk.file_name}: chunk at offset {chunk.offset}, expected {len(buf)}")
-                buf.extend(chunk.data)
-                digests[chunk.file_name] = (chunk.total_size, chunk.sha256)
-        except grpc.aio.AioRpcError as e:
-            if e.code() is not grpc.StatusCode.NOT_FOUND:
-                raise
-            return {}
-        for name, buf in files.items():
-            size, digest = digests[name]
-            if len(buf) != size:
-                raise ValueError(f"{name}: got {len(buf)} bytes, the engine announced {size}")
-            actual = hashlib.sha256(buf).hexdigest()
-            if actual != digest.lower():
-                raise ValueError(f"{name}: sha256 {actual} does not match the engine's {digest}")
-        logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
-        return {name: bytes(buf) for name, buf in files.items()}
+        files = await fetch_tokenizer_files(engine_pb2_grpc.EngineServiceStub(self._channel))
+        if files:
+            logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
+        return files
 
 
 async def _arrives_before_idle(pending: asyncio.Future, deadline: float) -> bool:
@@ -519,12 +471,3 @@ async def _arrives_before_idle(pending: asyncio.Future, deadline: float) -> bool
 async def _drain(outbox: asyncio.Queue):
     while True:
         yield await outbox.get()
-
-
-def engine_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
-    """TLS to engines; with cert and key also a client certificate (mutual TLS)."""
-
-    def read(path: str | None) -> bytes | None:
-        return None if path is None else open(path, "rb").read()
-
-    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine.client import engine_credentials
+from frontend_svc.engine.channel import engine_credentials
 from frontend_svc.engine.router import EngineRouter
 from frontend_svc.engine.routing import RoutingPolicy
 from frontend_svc.service import servicer as generate
