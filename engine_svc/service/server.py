@@ -24,7 +24,7 @@ from engine_svc.service.servicer import EngineServicer
 from engine_svc.types import ErrorCode, RequestError
 from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.grpc_options import server_options
-from tandem_common.ready import remove_ready_file, write_ready_file
+from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -98,6 +98,7 @@ class EngineServer:
 
     async def start(self) -> None:
         cfg = self.config
+        remove_stale_ready_file(cfg.ready_file)
         self.server = grpc.aio.server(options=server_options(cfg.max_message_bytes))
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -33,7 +33,7 @@ from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import RequestLimits
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
-from tandem_common.ready import remove_ready_file, write_ready_file
+from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ class FrontendServer:
 
     async def start(self) -> None:
         cfg = self.config
+        remove_stale_ready_file(cfg.ready_file)
         if cfg.tokenizer:
             self.servicer.set_tokenizer(Tokenizer.from_dir(cfg.tokenizer))
             logger.info("tokenizer loaded from %s", cfg.tokenizer)
