@@ -18,6 +18,7 @@ class FrontendConfig:
     engines: list[str] = field(default_factory=list)
     dns_refresh_s: float = 10.0
     engine_stall_timeout_s: float = 10.0
+    engine_progress_timeout_s: float = 30.0  # 0: off (engine/watchdog.py)
     # "least-load" or "prefix"; None: prefix when there can be two or more engines (two
     # --engine flags or a dns:/// name), least-load with one (nothing to choose from, and
     # the engine then records no prefix-cache events for this frontend).
@@ -79,6 +80,8 @@ class FrontendConfig:
             problems.append("--stalled-client-timeout-s must be >= 0 (0: never)")
         if self.engine_stall_timeout_s <= 0:
             problems.append("--engine-stall-timeout-s must be positive")
+        if self.engine_progress_timeout_s < 0:
+            problems.append("--engine-progress-timeout-s must be >= 0 (0: off)")
         if not 0 < self.dns_refresh_s < math.inf:
             problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
         if self.routing_load_threshold < 0:
@@ -143,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="an engine that sends nothing and answers no load query for this long is hung: its calls fail "
         "(those that streamed nothing yet are retried on another engine) and it gets no new ones until it "
         "answers again",
+    )
+    e.add_argument(
+        "--engine-progress-timeout-s",
+        type=seconds,
+        default=d.engine_progress_timeout_s,
+        metavar="S",
+        help="an engine that answers but advances none of the requests it took for this long (no output, no "
+        "change of its load) is not serving: its calls fail with UNAVAILABLE (those that streamed nothing are "
+        "retried on another engine) and it gets one request at a time until it advances one (0: off)",
     )
     e.add_argument(
         "--routing",

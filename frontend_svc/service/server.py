@@ -106,11 +106,14 @@ class FrontendServer:
             credentials=credentials,
             max_message_bytes=config.max_message_bytes,
             stall_timeout_s=config.engine_stall_timeout_s,
+            progress_timeout_s=config.engine_progress_timeout_s,
             policy=RoutingPolicy(config.routing_policy),
             load_threshold_tokens=config.routing_load_threshold,
         )
         self.metrics = FrontendMetrics()
         self.metrics.watch_engines(self.router.engine_figures)
+        if self.router.index is not None:
+            self.metrics.watch_prefix_index(lambda: self.router.index.num_dropped if self.router.index else 0)
         self.tracer_provider = setup_tracing("tandem-frontend", config.otlp_endpoint)  # None: tracing off
         tracer = self.tracer_provider.get_tracer("frontend_svc") if self.tracer_provider is not None else None
         self.servicer = generate.GenerateServiceServicer(

@@ -33,6 +33,7 @@ FLAGS = [
     "--max-concurrent-calls",
     "--stalled-client-timeout-s",
     "--engine-stall-timeout-s",
+    "--engine-progress-timeout-s",
     "--metrics-host",
 ]
 
@@ -95,6 +96,7 @@ def test_limits_and_timeouts_are_checked(capsys):
         ("--max-concurrent-calls", "-1"),
         ("--stalled-client-timeout-s", "-1"),
         ("--engine-stall-timeout-s", "0"),
+        ("--engine-progress-timeout-s", "-1"),
         ("--routing-load-threshold", "-1"),
     ]:
         with pytest.raises(SystemExit):
@@ -107,9 +109,10 @@ def test_limits_and_timeouts_are_checked(capsys):
         max_concurrent_calls=-1,
         stalled_client_timeout_s=-1,
         engine_stall_timeout_s=0,
+        engine_progress_timeout_s=-1,
         routing_load_threshold=-1,
     )
-    assert len(bad.check()) == 5, bad.check()
+    assert len(bad.check()) == 6, bad.check()
     assert parse("--engine", "a:1", "--max-concurrent-calls", "0", "--stalled-client-timeout-s", "0").check() == []
 
 
