@@ -32,6 +32,7 @@ class FrontendConfig:
     max_stop_string_chars: int = 1024
     max_n: int = 16
     max_concurrent_calls: int = 1024
+    max_calls_per_client: int | None = None  # None: half of max_concurrent_calls; 0: no share (fair_share.py)
     stalled_client_timeout_s: float = 30.0
     stream_interval: int = 0  # 0: adaptive coalescing; N: a message waits for N tokens
     shutdown_timeout: float = 30.0
@@ -76,6 +77,8 @@ class FrontendConfig:
             problems.append("--max-stop-string-chars must be at least 1")
         if self.max_concurrent_calls < 0:
             problems.append("--max-concurrent-calls must be >= 0 (0: no limit)")
+        if self.max_calls_per_client is not None and self.max_calls_per_client < 0:
+            problems.append("--max-calls-per-client must be >= 0 (0: no per-client limit)")
         if self.stalled_client_timeout_s < 0:
             problems.append("--stalled-client-timeout-s must be >= 0 (0: never)")
         if self.engine_stall_timeout_s <= 0:
@@ -98,6 +101,13 @@ class FrontendConfig:
             return self.routing
         several = len(self.engines) >= 2 or any(e.startswith("dns:") for e in self.engines)
         return "prefix" if several else "least-load"
+
+    @property
+    def calls_per_client(self) -> int:
+        """--max-calls-per-client, or its default: half of --max-concurrent-calls (0 when that is 0)."""
+        if self.max_calls_per_client is not None:
+            return self.max_calls_per_client
+        return (self.max_concurrent_calls + 1) // 2
 
     @property
     def engine_tls(self) -> bool:
@@ -247,6 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.max_concurrent_calls,
         metavar="N",
         help="Generate calls in progress at once; more get RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    r.add_argument(
+        "--max-calls-per-client",
+        type=int_in(0),
+        default=None,
+        metavar="N",
+        help="Generate calls one client may have in progress at once (a client is its API key, or its address "
+        "without keys); more get RESOURCE_EXHAUSTED. Default: half of --max-concurrent-calls; 0: no limit. "
+        "Behind a proxy every caller shares its address: raise it or set 0",
     )
     r.add_argument(
         "--stalled-client-timeout-s",

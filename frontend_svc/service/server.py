@@ -123,7 +123,12 @@ class FrontendServer:
                 max_stop_strings=config.max_stop_strings,
                 max_stop_string_chars=config.max_stop_string_chars,
             ),
-            calls=InFlightCalls(config.max_concurrent_calls, config.stalled_client_timeout_s),
+            calls=InFlightCalls(
+                config.max_concurrent_calls,
+                config.stalled_client_timeout_s,
+                max_calls_per_client=config.calls_per_client,
+                keyed=bool(config.api_keys or config.api_key_file),
+            ),
             stream_interval=config.stream_interval,
             metrics=self.metrics,
             tracer=tracer,

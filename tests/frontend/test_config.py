@@ -34,6 +34,7 @@ FLAGS = [
     "--stalled-client-timeout-s",
     "--engine-stall-timeout-s",
     "--engine-progress-timeout-s",
+    "--max-calls-per-client",
     "--metrics-host",
 ]
 
@@ -94,6 +95,7 @@ def test_limits_and_timeouts_are_checked(capsys):
     for flag, value in [
         ("--max-stop-string-chars", "0"),
         ("--max-concurrent-calls", "-1"),
+        ("--max-calls-per-client", "-1"),
         ("--stalled-client-timeout-s", "-1"),
         ("--engine-stall-timeout-s", "0"),
         ("--engine-progress-timeout-s", "-1"),
@@ -107,12 +109,17 @@ def test_limits_and_timeouts_are_checked(capsys):
         engines=["a:1"],
         max_stop_string_chars=0,
         max_concurrent_calls=-1,
+        max_calls_per_client=-1,
         stalled_client_timeout_s=-1,
         engine_stall_timeout_s=0,
         engine_progress_timeout_s=-1,
         routing_load_threshold=-1,
     )
-    assert len(bad.check()) == 6, bad.check()
+    assert len(bad.check()) == 7, bad.check()
+    assert (
+        parse("--engine", "a:1").calls_per_client,
+        parse("--engine", "a:1", "--max-concurrent-calls", "0").calls_per_client,
+    ) == (512, 0)
     assert parse("--engine", "a:1", "--max-concurrent-calls", "0", "--stalled-client-timeout-s", "0").check() == []
 
 
