@@ -14,6 +14,9 @@ before a change: compare the two outputs. Scenarios:
     parked          N clients that read nothing: frontend memory per stream, engine still running
     hung-engine     the engine is stopped (SIGSTOP) mid-stream: seconds until the call ends
     slow-reader     the engine is killed while a slow reader's output waits: seconds to the end
+
+and those of benchmarks/abuse_frontend.py (prefix-flood, black-hole, fair-share,
+metrics-flood, chat-role, stale-ready).
 """
 
 from __future__ import annotations
@@ -218,6 +221,9 @@ async def run(names: list[str], model: Path, frontend_args: tuple[str, ...]) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from benchmarks.abuse_frontend import SCENARIOS as FRONTEND_SCENARIOS
+
+    SCENARIOS.update(FRONTEND_SCENARIOS)
     p = argparse.ArgumentParser(prog="benchmarks.abuse", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="repeatable; default: all")
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
