@@ -2,7 +2,7 @@
 
     prefix-flood   an engine stand-in publishes 3M block hashes (pool: 4096): frontend RSS
     black-hole     20 calls beside an engine that takes requests and serves none: statuses, seconds
-    fair-share     one client opens 1,100 calls that read nothing: another client's status and TTFT
+    fair-share     of 64 call slots, one client opens 100 calls that read nothing: another client's status, TTFT
     metrics-flood  ~500 scrapes/s of the frontend's /metrics: another stream's messages/s, worst gap
     chat-role      a role that forges a system turn: the call's status
     stale-ready    kill -9 of the --workers parent: is the ready file left, does the reader trust it
@@ -72,16 +72,21 @@ async def black_hole(pair, _stub) -> str:
 
 
 async def fair_share(pair, _stub) -> str:
-    frontend = start_frontend(pair.engine.address, extra=("--api-key", "attacker", "--api-key", "victim"))
+    """64 call slots; one client opens 100 calls that read nothing, then another calls."""
+    extra = ("--api-key", "attacker", "--api-key", "victim", "--max-concurrent-calls", "64")
+    frontend = start_frontend(pair.engine.address, extra=extra)
     channels = []
     try:
         await asyncio.to_thread(frontend.wait_serving)
-        channels = [grpc.aio.insecure_channel(frontend.address, options=SMALL_WINDOW) for _ in range(12)]
+        channels = [grpc.aio.insecure_channel(frontend.address, options=SMALL_WINDOW) for _ in range(4)]
         stubs = [generate_pb2_grpc.GenerateServiceStub(c) for c in channels]
         attacker = (("authorization", "Bearer attacker"),)
-        calls = [stubs[i % 12].Generate(req(f"p {i}", max_tokens=64), metadata=attacker) for i in range(1100)]
-        firsts = await asyncio.gather(*(_first(c) for c in calls))
-        held = sum(firsts)
+        calls = [
+            stubs[i % 4].Generate(req(f"p {i}", max_tokens=1500, logprobs=20), metadata=attacker) for i in range(100)
+        ]
+        reads = [asyncio.ensure_future(c.read()) for c in calls]
+        await asyncio.wait(reads, timeout=5)
+        refused = sum(r.done() and r.exception() is not None for r in reads)
         t0 = time.monotonic()
         victim = stubs[0].Generate(req("victim", max_tokens=4), metadata=(("authorization", "Bearer victim"),))
         try:
@@ -94,18 +99,12 @@ async def fair_share(pair, _stub) -> str:
         victim.cancel()
         for c in calls:
             c.cancel()
-        return f"attacker holds {held} of 1100 calls; victim: {status}"
+        await asyncio.gather(*reads, return_exceptions=True)
+        return f"64 slots, attacker opened 100 calls: {100 - refused} admitted; victim: {status}"
     finally:
         for c in channels:
             await c.close()
         await asyncio.to_thread(frontend.terminate)
-
-
-async def _first(call) -> bool:
-    try:
-        return await asyncio.wait_for(call.read(), 30) is not grpc.aio.EOF
-    except (grpc.aio.AioRpcError, asyncio.TimeoutError):
-        return False
 
 
 async def metrics_flood(pair, _stub) -> str:
