@@ -7,7 +7,7 @@ import hashlib
 
 import grpc
 
-from frontend_svc.text.tokenizer import TOKENIZER_FILE_NAMES
+from tandem_common.tokenizer_files import TOKENIZER_FILE_NAMES
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 # A ping every 10 s, answered within 10 s (both the keepalive and the general HTTP/2 ping
