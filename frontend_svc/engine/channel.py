@@ -22,7 +22,7 @@ TOKENIZER_TIMEOUT_S = 120
 def open_channel(
     address: str, credentials: grpc.ChannelCredentials | None, tls_server_name: str | None, max_message_bytes: int
 ) -> grpc.aio.Channel:
-    options = [
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),

@@ -9,7 +9,7 @@ import pytest
 from frontend_svc.engine.client import EngineClient
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, parse_dns_target
-from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError, ModelInfo
+from frontend_svc.types import EngineLoad, EngineOutput, EngineUnavailableError, ModelInfo
 from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.sampling import SamplingParams
 from tandem_common.types import FinishReason
@@ -77,7 +77,7 @@ def test_pick_without_available_engine_is_unavailable():
 
 
 async def test_handle_merges_unread_outputs_and_iterates_to_the_end():
-    handle = RequestHandle("r", EngineClient("a:1"), None)
+    handle = RequestHandle("r")
     handle.deliver(EngineOutput("r", [1, 2], num_cached_tokens=2))
     handle.deliver(EngineOutput("r", [3]))
     handle.deliver(EngineOutput("r", [4], finish_reason=FinishReason.LENGTH))
@@ -88,7 +88,7 @@ async def test_handle_merges_unread_outputs_and_iterates_to_the_end():
 
 
 async def test_handle_failure_is_raised_after_pending_outputs():
-    handle = RequestHandle("r", EngineClient("a:1"), None)
+    handle = RequestHandle("r")
     handle.deliver(EngineOutput("r", [1]))
     handle.fail(EngineUnavailableError("engine a:1 went away: boom"))
     assert handle.take().new_token_ids == [1]
@@ -107,7 +107,7 @@ async def test_dns_discovery_adds_and_retires_engines():
         client._task.cancel()  # keep its reconnect loop from failing the request added below
         # The name now resolves elsewhere: the old engine retires once its request ends.
         router._dns = [("localhost", 2)]
-        client._requests["busy"] = RequestHandle("busy", client, None)
+        client._requests["busy"] = RequestHandle("busy")
         await router.refresh()
         assert "127.0.0.1:2" in {c.address for c in router.clients}
         assert client.retiring and "127.0.0.1:1" in router._clients
