@@ -87,6 +87,21 @@ async def test_handle_merges_unread_outputs_and_iterates_to_the_end():
     assert got[0].num_cached_tokens == 2
 
 
+def test_handle_asks_its_deliverer_to_wake_the_reader_and_never_wakes_it_itself():
+    handle = RequestHandle("r", stream_interval=3)
+    assert handle.deliver(EngineOutput("r", [1]))  # the first output
+    assert not handle.deliver(EngineOutput("r", [2]))  # 2 tokens pending, fewer than the interval
+    assert handle.deliver(EngineOutput("r", [3]))  # 3 pending
+    assert handle.take().new_token_ids == [1, 2, 3]
+    assert not handle.deliver(EngineOutput("r", [4]))
+    assert handle.deliver(EngineOutput("r", [], finish_reason=FinishReason.LENGTH))  # the end
+    assert not handle.wakeup.is_set() and handle.finished
+    aborted = RequestHandle("s")
+    aborted.aborted = True
+    assert not aborted.deliver(EngineOutput("s", [1], finish_reason=FinishReason.ABORT))
+    assert aborted.finished and aborted.take() is None
+
+
 async def test_handle_failure_is_raised_after_pending_outputs():
     handle = RequestHandle("r")
     handle.deliver(EngineOutput("r", [1]))
