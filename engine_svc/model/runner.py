@@ -29,10 +29,11 @@ from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
+from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.sampler import Sampler
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine_svc.types import RequestView, SamplingParams
+from engine_svc.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class ModelRunner:
         if self.threads is not None:
             self.threads.before_step(scheduler_output.num_tokens)
         input_ids, positions, meta = self._prepare_inputs(batch)
-        sample_rows, sample_requests, logprob_jobs = _logits_rows(batch)
+        sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             if sample_rows:
@@ -294,38 +295,3 @@ class _WarmupRequest:
     @property
     def num_output_tokens(self) -> int:
         return 0
-
-
-@dataclass
-class _PromptLogprobJob:
-    request_id: str
-    rows: list[int]  # rows of the flattened batch; row for position p predicts prompt token p + 1
-    target_token_ids: list[int]
-    num_top: int
-
-
-def _logits_rows(batch: list[ScheduledRequest]) -> tuple[list[int], list[RequestView], list[_PromptLogprobJob]]:
-    """Rows of the flattened batch that need logits: (sample rows, their requests, prompt-logprob jobs).
-
-    Prompt tokens up to ``num_prompt_logprobs_done`` were reported already (e.g. before a
-    preemption), so only later ones get entries.
-    """
-    sample_rows: list[int] = []
-    sample_requests: list[RequestView] = []
-    jobs: list[_PromptLogprobJob] = []
-    row = 0
-    for s in batch:
-        request, start, n = s.request, s.start, s.num_new_tokens
-        if s.needs_sample:
-            sample_rows.append(row + n - 1)
-            sample_requests.append(request)
-        num_top = request.sampling_params.prompt_logprobs
-        if num_top is not None:
-            lo = max(start, request.num_prompt_logprobs_done)  # positions [lo, hi) predict tokens lo+1 .. hi
-            hi = min(start + n, request.num_prompt_tokens - 1)
-            if lo < hi:
-                rows = list(range(row + lo - start, row + hi - start))
-                targets = list(request.prompt_token_ids[lo + 1 : hi + 1])
-                jobs.append(_PromptLogprobJob(request.request_id, rows, targets, num_top))
-        row += n
-    return sample_rows, sample_requests, jobs
