@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.abuse import SMALL_WINDOW, Victim, outcome, req, rss_mib
+from benchmarks.abuse_kit import SMALL_WINDOW, Victim, outcome, req, rss_mib
 from tandem_common.ready import read_ready_file
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tandem_protos.tandem.generate.v1 import generate_pb2_grpc

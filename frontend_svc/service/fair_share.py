@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-from frontend_svc.service.planning import RequestError
+from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode
 
 
@@ -51,10 +51,10 @@ class FairShare:
         self._num_calls: dict[str, int] = {}  # only clients with calls in progress
 
     def enter(self, client: str) -> None:
-        """Counts a call of ``client``, or raises RequestError(RESOURCE_EXHAUSTED) past its share."""
+        """Counts a call of ``client``, or raises CallError(RESOURCE_EXHAUSTED) past its share."""
         n = self._num_calls.get(client, 0)
         if self.max_calls_per_client and n >= self.max_calls_per_client:
-            raise RequestError(
+            raise CallError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"this client (its API key, or its address without keys) already has {n} Generate calls in "
                 f"progress, its share of this frontend (--max-calls-per-client {self.max_calls_per_client}); "

@@ -20,7 +20,7 @@ import logging
 import time
 
 from frontend_svc.service.fair_share import FairShare, client_of
-from frontend_svc.service.planning import RequestError
+from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,9 @@ class InFlightCalls:
 
     def enter(self, context=None) -> Call:
         """Admits a call (``context``: its gRPC context, which names the client), or raises
-        RequestError(RESOURCE_EXHAUSTED) when the limit or the client's share is reached."""
+        CallError(RESOURCE_EXHAUSTED) when the limit or the client's share is reached."""
         if self.max_calls and len(self._calls) >= self.max_calls:
-            raise RequestError(
+            raise CallError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"this frontend is serving its limit of {self.max_calls} concurrent Generate calls "
                 "(--max-concurrent-calls); retry later or on another frontend replica",
