@@ -174,12 +174,12 @@ class StreamBacklog:
 
     def _add(self, out: EngineOutput) -> None:
         size = output_bytes(out)
-        self._bytes += size
         request_id = out.request_id
         held = self._pending.get(request_id)
         if held is None:
             self._pending[request_id] = out
             self._sizes[request_id] = size
+            self._bytes += size
             return
         if request_id not in self._merged:  # never change an output the engine handed over
             held = self._pending[request_id] = _copy(held)
@@ -190,7 +190,12 @@ class StreamBacklog:
         held.num_cached_tokens = max(held.num_cached_tokens, out.num_cached_tokens)
         if out.finished:
             held.finish_reason, held.stop_token_id, held.error = out.finish_reason, out.stop_token_id, out.error
-        self._sizes[request_id] += size - _head_bytes(request_id)  # one head for the merged output
+        # One head for the merged output, in both counts: ``_bytes`` is always the sum of
+        # ``_sizes`` (and of the rejected adds and events), so a take() gives back exactly what
+        # put() counted and the backlog returns to 0 once emptied, however often it merged.
+        merged_size = size - _head_bytes(request_id)
+        self._sizes[request_id] += merged_size
+        self._bytes += merged_size
 
     # -- the reader ----------------------------------------------------------------------
 
