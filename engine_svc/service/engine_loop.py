@@ -6,7 +6,7 @@
 
 Streams talk to it through a queue of small frozen commands; it hands each stream's
 outputs back through the stream's ``sink`` callback, once per turn. A sink must not
-block: the servicer's sink only appends to its stream's bounded backlog, so a slow or
+block: a stream session's sink only appends to its stream's bounded backlog, so a slow or
 stalled reader on one stream never stalls the engine or the other streams. A sink that
 returns True says its reader lags too far behind: the engine pauses that stream's
 requests (``Scheduler.pause_requests``) until the stream asks to resume. Streams that
