@@ -24,23 +24,12 @@ from engine_svc.service import convert
 from engine_svc.service.backlog import KV_EVENTS_MAX_HASHES, KV_HASH_WIRE_BYTES, MAX_MESSAGE_BYTES
 from engine_svc.service.engine_loop import EngineLoop
 from engine_svc.service.stream import MalformedCommand, StreamSession
+from tandem_common.tokenizer_files import SERVED_TOKENIZER_FILE_NAMES
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "generation_config.json",
-)
 TOKENIZER_CHUNK_BYTES = 1 << 20
 _CHUNK_HEADROOM_BYTES = 4096  # file name, offsets, size and sha256 around a chunk's data
 
@@ -127,7 +116,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetTokenizer(self, request, context):
         model_dir = (await self._require_engine(context)).model_dir
-        files = [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
+        files = [model_dir / name for name in SERVED_TOKENIZER_FILE_NAMES if (model_dir / name).is_file()]
         if not files:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no tokenizer files in {model_dir.name}")
         for path in files:
