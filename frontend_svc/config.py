@@ -8,7 +8,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from frontend_svc.engine.routing import DEFAULT_LOAD_THRESHOLD_TOKENS
-from tandem_common.flags import LOG_LEVELS, HelpFormatter, float_in, int_in, message_bytes, metrics_port, port, seconds
+from tandem_common.flags import (
+    HelpFormatter,
+    add_observability_flags,
+    add_server_tls_flags,
+    float_in,
+    int_in,
+    message_bytes,
+    port,
+    seconds,
+)
 
 
 @dataclass
@@ -230,8 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend processes serving the port together (SO_REUSEPORT), each with its own engine streams, "
         "for more tokens/s than one core streams; --metrics-port then serves their metrics summed",
     )
-    n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
-    n.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    add_server_tls_flags(n, client_ca=False)
     n.add_argument(
         "--api-key",
         dest="api_keys",
@@ -286,18 +294,5 @@ def build_parser() -> argparse.ArgumentParser:
         "first token and the end are sent at once), 1 sends exactly one message per token",
     )
 
-    o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument(
-        "--metrics-host", default=None, help="address the metrics endpoint listens on (default: the same as --host)"
-    )
-    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
-    o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
-    o.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
-        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
-        "tracing is off when none is set",
-    )
+    add_observability_flags(p, log_level=d.log_level, log_format=d.log_format)
     return p
