@@ -1,0 +1,91 @@
+"""One generation request of the HTTP face: admitted, planned and streamed like a gRPC Generate call.
+
+    HttpRun(generation, request) ── plan(GenerateInput) ──▶ Plan   (calls.enter, ready, check_sizes, plan_generate)
+                                 ── pieces(plan) ──▶ ChoiceOutput ...  (Generation.stream: routing, engines, text)
+                                 ── end()                            (metrics, span, the request's log line)
+
+The figures, span and log line are GenerateStats', as for gRPC: the HTTP request's
+``traceparent`` header continues the client's trace, and its final state is told with
+the gRPC status code of the same meaning (OK, CANCELLED for a client that went away).
+"""
+
+from __future__ import annotations
+
+import grpc
+from starlette.requests import Request
+
+from frontend_svc.service.generation import Generation
+from frontend_svc.service.planning import GenerateInput, Plan, RequestError, RequestSizes, check_sizes, plan_generate
+from frontend_svc.service.request_stats import GenerateStats
+
+
+class _Headers:
+    """An HTTP request's headers where GenerateStats reads gRPC metadata (the trace context)."""
+
+    def __init__(self, request: Request) -> None:
+        self._pairs = list(request.headers.items())
+
+    def invocation_metadata(self):
+        return self._pairs
+
+
+class HttpRun:
+    def __init__(self, generation: Generation, request: Request) -> None:
+        self.generation = generation
+        request_id = request.headers.get("x-request-id", "")
+        self.stats = GenerateStats(generation.metrics, generation.tracer, _Headers(request), request_id)
+        self.code, self.message = grpc.StatusCode.CANCELLED, ""
+        self._call = None
+        self._ended = False
+
+    async def plan(self, gen: GenerateInput, operation: str) -> Plan:
+        """The checked plan, or RequestError (the run is ended then)."""
+        g = self.generation
+        try:
+            self._call = g.calls.enter()
+            tokenizer, info = g.ready()
+            check_sizes(_sizes(gen), g.limits, info)
+            plan = await g.off_loop(_input_chars(gen), plan_generate, gen, tokenizer, info, g.limits)
+        except RequestError as e:
+            self.failed(e)
+            self.end()
+            raise
+        self.stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
+        return plan
+
+    def pieces(self, plan: Plan):
+        return self.generation.stream(plan, self.stats)
+
+    def ok(self) -> None:
+        self.code, self.message = grpc.StatusCode.OK, ""
+
+    def failed(self, error: Exception) -> None:
+        code = getattr(error, "code", None)
+        self.code = grpc.StatusCode[code.value] if code is not None else grpc.StatusCode.UNAVAILABLE
+        self.message = str(error)
+
+    def end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._call is not None:
+            self.generation.calls.leave(self._call)
+        self.stats.end(self.code, self.message)
+
+
+def _sizes(gen: GenerateInput) -> RequestSizes:
+    p = gen.params
+    return RequestSizes(
+        input=gen.input,
+        num_token_ids=len(gen.token_ids),
+        num_messages=len(gen.chat.messages) if gen.chat is not None else 0,
+        num_stop=len(gen.stop),
+        num_stop_token_ids=len(p.stop_token_ids),
+        num_logit_bias=len(p.logit_bias),
+    )
+
+
+def _input_chars(gen: GenerateInput) -> int:
+    if gen.chat is not None:
+        return sum(len(m["content"]) for m in gen.chat.messages)
+    return len(gen.text) + 4 * len(gen.token_ids)
