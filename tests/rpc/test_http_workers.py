@@ -1,8 +1,12 @@
-"""--workers 2 --http-port 0: both workers serve the one HTTP port the parent picked and reports."""
+"""The HTTP face with --workers 2 (one port the parent picks and reports) and with TLS."""
 
 from __future__ import annotations
 
+import shutil
+import ssl
+
 import httpx
+import pytest
 
 from tests.rpc.http_face import http_base
 from tests.services import start_frontend
@@ -25,3 +29,24 @@ def test_two_workers_serve_the_http_port(engine_proc):
         assert "HTTP API on" in log and log.count("HTTP API on") == 2, log
     finally:
         assert frontend.terminate() == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_serves_https_with_the_grpc_certificate(engine_proc, tmp_path):
+    from tests.rpc.test_frontend_tls import make_pki
+
+    pki = make_pki(tmp_path)
+    tls = ("--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))
+    frontend = start_frontend(engine_proc.address, extra=(*tls, "--http-port", "0"))
+    try:
+        base = http_base(frontend).replace("http://", "https://")
+        with httpx.Client(
+            base_url=base, verify=ssl.create_default_context(cafile=str(pki / "ca.pem")), timeout=60
+        ) as client:
+            assert client.get("/health").status_code == 200
+            body = {"prompt": "Secure", "max_tokens": 3}
+            assert len(client.post("/v1/completions", json=body).json()["choices"]) == 1
+        with pytest.raises(httpx.TransportError):  # plaintext to the TLS port
+            httpx.get(base.replace("https://", "http://") + "/health", timeout=10)
+    finally:
+        frontend.terminate()
