@@ -7,6 +7,7 @@ same frontend give the reference for every comparison.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -14,6 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tests.rpc.http_face import API_KEY, engine_busy, engine_idle, grpc_stream, http_base, post
@@ -26,10 +28,14 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def served(engine_proc):
-    frontend = start_frontend(engine_proc.address, extra=("--http-port", "0", "--api-key", API_KEY))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    extra = ("--http-port", "0", "--api-key", API_KEY, "--metrics-port", str(metrics_port))
+    frontend = start_frontend(engine_proc.address, extra=extra)
     try:
         base = http_base(frontend)
-        yield engine_proc, frontend, base
+        yield engine_proc, frontend, base, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         frontend.terminate()
 
@@ -278,3 +284,16 @@ def test_a_disconnected_plain_request_aborts_its_engine_request(served, model):
     assert engine_busy(engine.address)
     thread.join(10)
     assert error and engine_idle(engine.address, timeout=5)
+
+
+def test_http_requests_are_counted_by_route_and_status(served, model):
+    post(served[2], "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    post(served[2], "/v1/completions", {"prompt": PROMPT, "top_p": 9.0})
+    post(served[2], "/v1/completions", {"prompt": PROMPT}, key=None)
+    samples = {
+        (s.labels.get("route"), s.labels.get("status")): s.value
+        for family in text_string_to_metric_families(httpx.get(served[3], timeout=10).text)
+        for s in family.samples
+        if s.name == "tandem_frontend_http_requests_total"
+    }
+    assert all(samples.get(("/v1/completions", status), 0) >= 1 for status in ("200", "400", "401")), samples
