@@ -34,6 +34,8 @@ class HttpRun:
         self.generation = generation
         request_id = request.headers.get("x-request-id", "")
         self.stats = GenerateStats(generation.metrics, generation.tracer, _Headers(request), request_id)
+        if self.stats.span is not None:  # the Generate span, told apart from a gRPC call's
+            self.stats.span.set_attributes({"http.request.method": request.method, "http.route": request.url.path})
         self.code, self.message = grpc.StatusCode.CANCELLED, ""
         self._call = None
         self._ended = False
