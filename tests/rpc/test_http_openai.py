@@ -272,15 +272,17 @@ def test_a_disconnected_plain_request_aborts_its_engine_request(served, model):
     body = dict(model=model, prompt=PROMPT, max_tokens=1500, ignore_eos=True)
     error: list[BaseException] = []
 
-    def call():
+    def call():  # gives up after 3 s: a client that goes away while its answer is made
         try:
-            post(served[2], "/v1/completions", body, timeout=0.8)
+            post(served[2], "/v1/completions", body, timeout=3.0)
         except httpx.TimeoutException as e:
             error.append(e)
 
     thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(0.4)
+    deadline = time.monotonic() + 2.5
+    while not engine_busy(engine.address) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert engine_busy(engine.address)
     thread.join(10)
     assert error and engine_idle(engine.address, timeout=5)
@@ -297,3 +299,23 @@ def test_http_requests_are_counted_by_route_and_status(served, model):
         if s.name == "tandem_frontend_http_requests_total"
     }
     assert all(samples.get(("/v1/completions", status), 0) >= 1 for status in ("200", "400", "401")), samples
+
+
+def test_streams_cut_at_once_leave_no_call_in_flight(served, model):
+    body = dict(model=model, prompt=PROMPT, max_tokens=1500, ignore_eos=True, stream=True)
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    for _ in range(10):
+        with httpx.stream("POST", served[2] + "/v1/completions", json=body, headers=headers, timeout=60):
+            pass  # gone before reading a byte of the body
+    deadline = time.monotonic() + 10
+    while True:
+        in_flight = [
+            s.value
+            for family in text_string_to_metric_families(httpx.get(served[3], timeout=10).text)
+            for s in family.samples
+            if s.name == "tandem_frontend_requests_in_flight"
+        ]
+        if in_flight == [0.0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert in_flight == [0.0] and engine_idle(served[0].address, timeout=5)

@@ -17,7 +17,6 @@ reaches a 500 (an unexpected exception is logged and answered as one, without a 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -25,7 +24,7 @@ from collections.abc import Callable
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from frontend_svc.engine.types import EngineUnavailableError
@@ -34,9 +33,8 @@ from frontend_svc.service.http import anthropic_api, openai_requests, sse
 from frontend_svc.service.http.errors import HttpError, bad_request, from_request_error
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_responses import OpenAIAnswer
-from frontend_svc.service.http.run import HttpRun
+from frontend_svc.service.http.run import HttpRun, RunStream, as_request_error, collect, until_disconnect
 from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, RequestError, check_ids, encode_prompt, render_chat
-from tandem_common.types import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +105,7 @@ class HttpFace:
             echo=echo,
         )
         if not req.stream:
-            error = await _until_disconnect(request, run, _collect(run, run.pieces(plan), answer.add))
+            error = await until_disconnect(request, run, collect(run, run.pieces(plan), answer.add))
             if error is not None:
                 return _error(from_request_error(error, openai_requests.param_name))
             return Response(sse.dumps(answer.response()), media_type="application/json")
@@ -124,12 +122,12 @@ class HttpFace:
                 run.ok()
             except (RequestError, EngineUnavailableError) as e:
                 run.failed(e)
-                yield sse.data(from_request_error(_as_request_error(e), openai_requests.param_name).openai_body())
+                yield sse.data(from_request_error(as_request_error(e), openai_requests.param_name).openai_body())
             finally:
                 run.end()
             yield sse.DONE
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=sse.HEADERS)
+        return RunStream(stream(), run, sse.HEADERS)
 
     # -- Anthropic ----------------------------------------------------------------------------
 
@@ -147,7 +145,7 @@ class HttpFace:
             return _error(e, anthropic=True)
         answer = anthropic_api.AnthropicAnswer(model, len(plan.prompt_token_ids))
         if not req.stream:
-            error = await _until_disconnect(request, run, _collect(run, run.pieces(plan), answer.add))
+            error = await until_disconnect(request, run, collect(run, run.pieces(plan), answer.add))
             if error is not None:
                 return _error(from_request_error(error, anthropic_api.param_name), anthropic=True)
             return Response(sse.dumps(answer.response()), media_type="application/json")
@@ -167,12 +165,12 @@ class HttpFace:
                 run.ok()
             except (RequestError, EngineUnavailableError) as e:
                 run.failed(e)
-                error = from_request_error(_as_request_error(e), anthropic_api.param_name)
+                error = from_request_error(as_request_error(e), anthropic_api.param_name)
                 yield sse.event("error", error.anthropic_body())
             finally:
                 run.end()
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=sse.HEADERS)
+        return RunStream(stream(), run, sse.HEADERS)
 
     async def count_tokens(self, request: Request) -> Response:
         try:
@@ -297,46 +295,3 @@ def _too_large(limit: int) -> HttpError:
 def _error(error: HttpError, *, anthropic: bool = False) -> Response:
     body = error.anthropic_body() if anthropic else error.openai_body()
     return Response(sse.dumps(body), status_code=error.status, headers=error.headers(), media_type="application/json")
-
-
-def _as_request_error(e: Exception) -> RequestError:
-    return e if isinstance(e, RequestError) else RequestError(ErrorCode.UNAVAILABLE, str(e))
-
-
-async def _collect(run: HttpRun, pieces, add) -> None:
-    async with contextlib.aclosing(pieces):
-        async for piece in pieces:
-            add(piece)
-
-
-async def _until_disconnect(request: Request, run: HttpRun, work) -> RequestError | None:
-    """Runs ``work`` (a whole non-streamed answer) unless the client disconnects first,
-    which cancels it and so aborts its engine requests at once. Returns the request's
-    error, if any; the run is ended either way."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-        try:
-            await task
-            run.ok()
-            return None
-        except (RequestError, EngineUnavailableError) as e:
-            run.failed(e)
-            return _as_request_error(e)
-        except asyncio.CancelledError:
-            if not watch.done():
-                raise  # this handler itself was cancelled (shutdown)
-            # The client went away: the answer reaches nobody; the run ends CANCELLED.
-            return RequestError(ErrorCode.UNAVAILABLE, "the client disconnected")
-    finally:
-        watch.cancel()
-        task.cancel()
-        run.end()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -3,6 +3,7 @@
     HttpRun(generation, request) ── plan(GenerateInput) ──▶ Plan   (calls.enter, ready, check_sizes, plan_generate)
                                  ── pieces(plan) ──▶ ChoiceOutput ...  (Generation.stream: routing, engines, text)
                                  ── end()                            (metrics, span, the request's log line)
+    until_disconnect(request, run, collect(...))   a whole answer, cancelled if the client goes away
 
 The figures, span and log line are GenerateStats', as for gRPC: the HTTP request's
 ``traceparent`` header continues the client's trace, and its final state is told with
@@ -11,12 +12,18 @@ the gRPC status code of the same meaning (OK, CANCELLED for a client that went a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import grpc
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
+from frontend_svc.engine.types import EngineUnavailableError
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.planning import GenerateInput, Plan, RequestError, RequestSizes, check_sizes, plan_generate
 from frontend_svc.service.request_stats import GenerateStats
+from tandem_common.types import ErrorCode
 
 
 class _Headers:
@@ -91,3 +98,64 @@ def _input_chars(gen: GenerateInput) -> int:
     if gen.chat is not None:
         return sum(len(m["content"]) for m in gen.chat.messages)
     return len(gen.text) + 4 * len(gen.token_ids)
+
+
+def as_request_error(e: Exception) -> RequestError:
+    return e if isinstance(e, RequestError) else RequestError(ErrorCode.UNAVAILABLE, str(e))
+
+
+async def collect(run: HttpRun, pieces, add) -> None:
+    async with contextlib.aclosing(pieces):
+        async for piece in pieces:
+            add(piece)
+
+
+async def until_disconnect(request: Request, run: HttpRun, work) -> RequestError | None:
+    """Runs ``work`` (a whole non-streamed answer) unless the client disconnects first,
+    which cancels it and so aborts its engine requests at once. Returns the request's
+    error, if any; the run is ended either way."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+        try:
+            await task
+            run.ok()
+            return None
+        except (RequestError, EngineUnavailableError) as e:
+            run.failed(e)
+            return as_request_error(e)
+        except asyncio.CancelledError:
+            if not watch.done():
+                raise  # this handler itself was cancelled (shutdown)
+            # The client went away: the answer reaches nobody; the run ends CANCELLED.
+            return RequestError(ErrorCode.UNAVAILABLE, "the client disconnected")
+    finally:
+        watch.cancel()
+        task.cancel()
+        run.end()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class RunStream(StreamingResponse):
+    """An SSE response that ends its run however the response ends: a client that goes
+    away before the first chunk leaves the body generator unstarted, and its finally
+    (which ends the run) never runs; this one's does."""
+
+    def __init__(self, content, run: HttpRun, headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.run = run
+        self._content = content  # an async generator
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._content.aclose()  # a stream cut mid-way: its engine requests are aborted now
+            self.run.end()
