@@ -1,8 +1,10 @@
-"""The HTTP face with --workers 2 (one port the parent picks and reports) and with TLS."""
+"""The HTTP face with --workers 2 (one port the parent picks and reports), with TLS, and its drain on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import ssl
 
 import httpx
@@ -48,5 +50,25 @@ def test_tls_serves_https_with_the_grpc_certificate(engine_proc, tmp_path):
             assert len(client.post("/v1/completions", json=body).json()["choices"]) == 1
         with pytest.raises(httpx.TransportError):  # plaintext to the TLS port
             httpx.get(base.replace("https://", "http://") + "/health", timeout=10)
+    finally:
+        frontend.terminate()
+
+
+def test_sigterm_lets_an_http_stream_finish(engine_proc):
+    frontend = start_frontend(engine_proc.address, extra=("--http-port", "0"))
+    try:
+        base = http_base(frontend)
+        body = {"prompt": "hi", "max_tokens": 100, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        lines = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not lines:
+                    frontend.proc.send_signal(signal.SIGTERM)  # the drain lets this stream end whole
+                if line:
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 100
+        assert frontend.proc.wait(30) == 0
     finally:
         frontend.terminate()
