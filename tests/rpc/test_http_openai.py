@@ -319,3 +319,11 @@ def test_streams_cut_at_once_leave_no_call_in_flight(served, model):
             break
         time.sleep(0.1)
     assert in_flight == [0.0] and engine_idle(served[0].address, timeout=5)
+
+
+def test_echo_puts_the_prompt_before_the_output(client, model):
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, **GREEDY).choices[0].text
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, echo=True, **GREEDY).choices[0].text
+    assert echoed == PROMPT + plain
+    streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, echo=True, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT + plain

@@ -92,10 +92,8 @@ class HttpFace:
         except HttpError as e:
             return _error(e)
         echo = ""
-        if req.echo:
-            echo = (
-                req.input.text if req.input.input == "text" else self.generation.tokenizer.decode(req.input.token_ids)
-            )
+        if req.echo:  # the prompt as text: as sent, or its token ids decoded
+            echo = req.input.text if req.input.input == "text" else self._decode(req.input.token_ids)
         answer = OpenAIAnswer(
             chat=chat,
             model=model,
