@@ -183,7 +183,11 @@ async def run_setting(name: str, args, http: bool = False) -> dict:
             steps = sorted({max(MIN_STEP_MS, num_calls * 1000.0 / rate) for rate in args.rates}, reverse=True)
             step_file.write_text(f"{steps[0]}")
             await asyncio.sleep(SETTLE_S)
-            load = HttpLoad(f"http://127.0.0.1:{http_port}", num_calls) if http else Load(frontend.address, num_calls)
+            load = (
+                HttpLoad(f"http://127.0.0.1:{http_port}", num_calls, _Call)
+                if http
+                else Load(frontend.address, num_calls)
+            )
             await load.start()
             await asyncio.sleep(SETTLE_S)  # the calls start
             points[str(num_calls)] = []

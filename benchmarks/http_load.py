@@ -19,12 +19,11 @@ import httpx
 class HttpLoad:
     """Same interface as benchmarks.capacity.Load: calls, recording, errors, start, reset, close."""
 
-    def __init__(self, base_url: str, num_calls: int) -> None:
-        from benchmarks.capacity import _Call
-
+    def __init__(self, base_url: str, num_calls: int, new_call) -> None:
+        """``new_call()`` makes the record of one call (benchmarks.capacity's, with times and sizes)."""
         limits = httpx.Limits(max_connections=num_calls + 4, max_keepalive_connections=num_calls + 4)
         self.client = httpx.AsyncClient(base_url=base_url, limits=limits, timeout=None)
-        self.calls = [_Call() for _ in range(num_calls)]
+        self.calls = [new_call() for _ in range(num_calls)]
         self.recording = False
         self.errors: list[str] = []
         self._tasks: list[asyncio.Task] = []

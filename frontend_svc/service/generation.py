@@ -21,16 +21,18 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
-from frontend_svc.engine.types import EngineRequestTooLargeError, EngineUnavailableError, ModelInfo
 from frontend_svc.service.flow import InFlightCalls
 from frontend_svc.service.metrics import FrontendMetrics
-from frontend_svc.service.planning import Plan, RequestError, RequestLimits
+from frontend_svc.service.planning import Plan, RequestLimits
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.text.output_processor import ChoiceOutput, ChoiceProcessor, TokenTexts
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.types import CallError, EngineRequestTooLargeError, EngineUnavailableError, ModelInfo, RequestError
 from tandem_common.types import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 OFF_LOOP_BYTES = 4096
 
 
-class EngineRefused(RequestError):
+class EngineRefused(CallError):
     """An engine refused the request because it is draining (in-band UNAVAILABLE)."""
 
 
@@ -66,29 +68,35 @@ class Generation:
         self.calls = calls if calls is not None else InFlightCalls()
         self.metrics = metrics or FrontendMetrics()
         self.tracer = tracer  # None: tracing is off and no span is ever made
-        self.tokenizer: Tokenizer | None = None
         self.tokenizer_problem: str | None = None  # why there is no tokenizer, when it is for good
+        # The tokenizer with its cache of single-token texts, one value: None until it is loaded.
         self.texts: TokenTexts | None = None
         # Long tokenizations run on worker threads, at most one per core at once: more would
         # not finish sooner, and each holds ~100 bytes of memory per character of text.
         self._heavy = asyncio.Semaphore(os.cpu_count() or 1)
 
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return None if self.texts is None else self.texts.tokenizer
+
     def set_tokenizer(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
         self.texts = TokenTexts(tokenizer)
 
     def ready(self) -> tuple[Tokenizer, ModelInfo]:
         info = self.router.model_info
         if info is None:
-            raise RequestError(ErrorCode.UNAVAILABLE, "no engine is connected yet; retry later")
+            raise CallError(ErrorCode.UNAVAILABLE, "no engine is connected yet; retry later")
         return self.loaded_tokenizer(), info
 
-    def loaded_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
+    def token_texts(self) -> TokenTexts:
+        if self.texts is None:
             if self.tokenizer_problem is not None:
-                raise RequestError(ErrorCode.FAILED_PRECONDITION, self.tokenizer_problem)
-            raise RequestError(ErrorCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
-        return self.tokenizer
+                raise CallError(ErrorCode.FAILED_PRECONDITION, self.tokenizer_problem)
+            raise CallError(ErrorCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
+        return self.texts
+
+    def loaded_tokenizer(self) -> Tokenizer:
+        return self.token_texts().tokenizer
 
     async def off_loop(self, size: int, fn, *args):
         """``fn(*args)`` on a worker thread when the input is large (``size`` > OFF_LOOP_BYTES)."""
@@ -99,13 +107,14 @@ class Generation:
 
     async def stream(
         self, plan: Plan, stats: GenerateStats, on_done: Callable[[Callable[..., None]], None] | None = None
-    ) -> AsyncIterator[ChoiceOutput]:
+    ) -> AsyncGenerator[ChoiceOutput, None]:
         """The plan's pieces from one engine, or from a second one when the first refuses or
         fails before anything was yielded. ``on_done`` registers a callback to run when the
         caller's call ends (gRPC: ``context.add_done_callback``); it aborts what still runs."""
         # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
         prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
-        sent, tried = False, []
+        sent = False
+        tried: list[EngineClient] = []
         failure: Exception | None = None
         while True:
             try:
@@ -133,12 +142,15 @@ class Generation:
                 tried.append(client)
                 failure = e
 
-    async def _stream(self, plan: Plan, route: Route, stats: GenerateStats, on_done) -> AsyncIterator[ChoiceOutput]:
+    async def _stream(
+        self, plan: Plan, route: Route, stats: GenerateStats, on_done
+    ) -> AsyncGenerator[ChoiceOutput, None]:
         client = route.client
         wakeup = asyncio.Event()
-        handles = []
+        handles: list[RequestHandle] = []
+        texts = self.token_texts()
         choices = [
-            ChoiceProcessor(i, self.tokenizer, plan.prompt_token_ids, plan.text_params(i), self.texts)
+            ChoiceProcessor(i, texts.tokenizer, plan.prompt_token_ids, plan.text_params(i), texts)
             for i in range(plan.n)
         ]
 
@@ -191,21 +203,21 @@ class Generation:
                         if piece is None:
                             continue
                         if piece.abort_engine:  # a stop string ended it: the engine counts a stop
-                            handles[i].abort(stop_string=True)
+                            client.abort([handles[i].request_id], stop_string=True)
                         if piece.finished:
                             unfinished.discard(i)
                         stats.piece(piece)
                         yield piece
         except EngineRequestTooLargeError as e:
-            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
+            raise CallError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
             abort_unfinished()
             stats.generated(sum(c.num_output_tokens for c in choices))
 
 
-def _engine_error(error) -> RequestError:
+def _engine_error(error: RequestError) -> CallError:
     """An engine's in-band error as the call's error (EngineRefused: it is draining)."""
     message = error.message
     if error.field and error.field not in message:
         message = f"{error.field}: {message}"
-    return (EngineRefused if error.code is ErrorCode.UNAVAILABLE else RequestError)(error.code, message)
+    return (EngineRefused if error.code is ErrorCode.UNAVAILABLE else CallError)(error.code, message)

@@ -17,6 +17,7 @@ import hmac
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +36,9 @@ from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from frontend_svc.service.http.server import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +135,7 @@ class FrontendServer:
         self._stopping = asyncio.Event()
         self._health_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self.http = None  # the HTTP face's server (--http-port), once started
+        self.http: HttpServer | None = None  # the HTTP face's server (--http-port), once started
         self.http_port: int | None = None
         self._serving = False  # what health says; GET /health answers the same
 
@@ -163,7 +167,7 @@ class FrontendServer:
         )
         await self._set_health(False)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
+        if cfg.tls_cert and cfg.tls_key:  # the config holds both or neither
             creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
             self.port = self.server.add_secure_port(address, creds)
         else:
@@ -195,6 +199,7 @@ class FrontendServer:
         from frontend_svc.service.http.server import Guard, HttpServer, http_requests_counter
 
         cfg = self.config
+        assert cfg.http_port is not None
         face = HttpFace(self.servicer.generation, serving=lambda: self._serving, max_body_bytes=cfg.max_message_bytes)
         app = Guard(face.app, keys, http_requests_counter(self.metrics.registry))
         self.http = HttpServer(
@@ -207,7 +212,7 @@ class FrontendServer:
             max_connections=cfg.max_concurrent_calls or None,
             grace_s=cfg.shutdown_timeout,
         )
-        self.http_port = await self.http.start()
+        self.http_port = await self.http.start()  # the chosen port with --http-port 0
         logger.info(
             "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages)",
             "https" if cfg.tls_cert else "http",

@@ -4,7 +4,7 @@
     Plan ── Generation.stream() ──▶ ChoiceOutput ... (service/generation.py: routing, engines, text)
          ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
 
-Errors follow the proto's contract: a RequestError ends the call with the gRPC status its
+Errors follow the proto's contract: a CallError ends the call with the gRPC status its
 ErrorCode names (INVALID_ARGUMENT names the field), UNAVAILABLE when no engine can serve
 or the serving one went away; engine in-band errors pass through with their own code. An
 engine that refuses (draining) or fails (dies, hangs) before anything was streamed to the
@@ -20,7 +20,6 @@ import logging
 import grpc
 
 from frontend_svc.engine.router import EngineRouter
-from frontend_svc.engine.types import EngineUnavailableError, ModelInfo
 from frontend_svc.service import convert
 from frontend_svc.service.flow import Call, InFlightCalls
 from frontend_svc.service.generation import Generation
@@ -28,7 +27,6 @@ from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
     Plan,
-    RequestError,
     RequestLimits,
     check_ids,
     check_num_messages,
@@ -41,6 +39,7 @@ from frontend_svc.service.planning import (
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.types import CallError, EngineUnavailableError, ModelInfo
 from tandem_common.types import ErrorCode
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
@@ -105,7 +104,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 async for piece in pieces:
                     await call.write(context, convert.generate_response(piece, plan.text.return_token_ids))
             code = grpc.StatusCode.OK
-        except RequestError as e:
+        except CallError as e:
             code, message = _status(e.code), str(e)
         except EngineUnavailableError as e:
             code, message = grpc.StatusCode.UNAVAILABLE, str(e)
@@ -129,7 +128,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     @traced("Tokenize")
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
-            tokenizer = self.generation.loaded_tokenizer()
+            texts = self.generation.token_texts()
+            tokenizer = texts.tokenizer
             info = self.router.model_info
             max_model_len = info.max_model_len if info is not None else None
             which = request.WhichOneof("input")
@@ -145,9 +145,9 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
             else:
                 raise invalid("input", "set text or messages")
-        except RequestError as e:
+        except CallError as e:
             await context.abort(_status(e.code), str(e))
-        tokens = await self._off_loop(request, lambda: [self.generation.texts(t) for t in ids])
+        tokens = await self._off_loop(request, lambda: [texts(t) for t in ids])
         return generate_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     @traced("Detokenize")
@@ -159,7 +159,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                     "token_ids", f"at most {MAX_DETOKENIZE_IDS} ids are allowed, got {len(request.token_ids)}"
                 )
             await self._off_loop(request, check_ids, "token_ids", request.token_ids, tokenizer.vocab_size)
-        except RequestError as e:
+        except CallError as e:
             await context.abort(_status(e.code), str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await self._off_loop(request, tokenizer.decode, list(request.token_ids), skip)
@@ -168,13 +168,13 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     @traced("GetModelInfo")
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext):
         info = self.router.model_info
-        if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
-        return convert.model_info_response(
-            info,
-            has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
-            num_engines=self.router.num_connected,
-        )
+        if info is not None:
+            return convert.model_info_response(
+                info,
+                has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+                num_engines=self.router.num_connected,
+            )
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
 
     async def _off_loop(self, request, fn, *args):
         """``fn(*args)`` on a worker thread when the request is large (generation.OFF_LOOP_BYTES)."""

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from frontend_svc.service.http import sse
-from frontend_svc.service.http.errors import HttpError, from_request_error
+from frontend_svc.service.http.errors import HttpError, from_call_error
 from frontend_svc.service.http.openai_requests import chat_request, completion_request, param_name
 from frontend_svc.service.http.openai_responses import OpenAIAnswer
-from frontend_svc.service.planning import RequestError
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText, TopLogprobText, Usage
+from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode, FinishReason
 
 
@@ -70,13 +70,11 @@ def test_planning_paths_become_openai_params():
     assert param_name("text") == param_name("token_ids.ids") == "prompt"
     assert param_name("messages.messages") == "messages"
     assert param_name("sampling_params.json_schema") == "response_format"
-    error = from_request_error(
-        RequestError(ErrorCode.INVALID_ARGUMENT, "sampling_params.n: must be in [1, 16]"), param_name
-    )
+    error = from_call_error(CallError(ErrorCode.INVALID_ARGUMENT, "sampling_params.n: must be in [1, 16]"), param_name)
     assert (error.status, error.param, error.message) == (400, "n", "n: must be in [1, 16]")
-    busy = from_request_error(RequestError(ErrorCode.RESOURCE_EXHAUSTED, "full"), param_name)
+    busy = from_call_error(CallError(ErrorCode.RESOURCE_EXHAUSTED, "full"), param_name)
     assert busy.status == 429 and busy.headers() == {"retry-after": "1"}
-    assert from_request_error(RequestError(ErrorCode.UNAVAILABLE, "no engine"), param_name).status == 503
+    assert from_call_error(CallError(ErrorCode.UNAVAILABLE, "no engine"), param_name).status == 503
 
 
 def _piece(index=0, text="x", logprob=float("-inf"), finished=False) -> ChoiceOutput:

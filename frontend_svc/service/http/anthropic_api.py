@@ -150,8 +150,8 @@ class AnthropicAnswer:
             out.append(("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}))
         if piece.finished:
             out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
-            delta = {"stop_reason": _stop_reason(piece), "stop_sequence": piece.stop_str}
+            stop: dict[str, str | None] = {"stop_reason": _stop_reason(piece), "stop_sequence": piece.stop_str}
             usage = {"output_tokens": self.num_tokens}
-            out.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
+            out.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))
             out.append(("message_stop", {"type": "message_stop"}))
         return out

@@ -27,14 +27,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend_svc.engine.types import EngineUnavailableError
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.http import anthropic_api, openai_requests, sse
-from frontend_svc.service.http.errors import HttpError, bad_request, from_request_error
+from frontend_svc.service.http.errors import HttpError, bad_request, from_call_error
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_responses import OpenAIAnswer
-from frontend_svc.service.http.run import HttpRun, RunStream, as_request_error, collect, until_disconnect
-from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, RequestError, check_ids, encode_prompt, render_chat
+from frontend_svc.service.http.run import HttpRun, RunStream, as_call_error, collect, until_disconnect
+from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, check_ids, encode_prompt, render_chat
+from frontend_svc.types import CallError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class HttpFace:
             run = HttpRun(self.generation, request)
             try:
                 plan = await run.plan(req.input, "chat" if chat else "text_completion")
-            except RequestError as e:
-                raise from_request_error(e, openai_requests.param_name) from None
+            except CallError as e:
+                raise from_call_error(e, openai_requests.param_name) from None
         except HttpError as e:
             return _error(e)
         echo = ""
@@ -105,7 +105,7 @@ class HttpFace:
         if not req.stream:
             error = await until_disconnect(request, run, collect(run, run.pieces(plan), answer.add))
             if error is not None:
-                return _error(from_request_error(error, openai_requests.param_name))
+                return _error(from_call_error(error, openai_requests.param_name))
             return Response(sse.dumps(answer.response()), media_type="application/json")
         usage = True if req.continuous_usage else False if req.include_usage else None
 
@@ -118,9 +118,9 @@ class HttpFace:
                 if req.include_usage:
                     yield sse.data(answer.usage_chunk())
                 run.ok()
-            except (RequestError, EngineUnavailableError) as e:
+            except (CallError, EngineUnavailableError) as e:
                 run.failed(e)
-                yield sse.data(from_request_error(as_request_error(e), openai_requests.param_name).openai_body())
+                yield sse.data(from_call_error(as_call_error(e), openai_requests.param_name).openai_body())
             finally:
                 run.end()
             yield sse.DONE
@@ -137,15 +137,15 @@ class HttpFace:
             run = HttpRun(self.generation, request)
             try:
                 plan = await run.plan(req.input, "chat")
-            except RequestError as e:
-                raise from_request_error(e, anthropic_api.param_name) from None
+            except CallError as e:
+                raise from_call_error(e, anthropic_api.param_name) from None
         except HttpError as e:
             return _error(e, anthropic=True)
         answer = anthropic_api.AnthropicAnswer(model, len(plan.prompt_token_ids))
         if not req.stream:
             error = await until_disconnect(request, run, collect(run, run.pieces(plan), answer.add))
             if error is not None:
-                return _error(from_request_error(error, anthropic_api.param_name), anthropic=True)
+                return _error(from_call_error(error, anthropic_api.param_name), anthropic=True)
             return Response(sse.dumps(answer.response()), media_type="application/json")
 
         async def stream():
@@ -161,9 +161,9 @@ class HttpFace:
                         for name, event in answer.events(piece):
                             yield sse.event(name, event)
                 run.ok()
-            except (RequestError, EngineUnavailableError) as e:
+            except (CallError, EngineUnavailableError) as e:
                 run.failed(e)
-                error = from_request_error(as_request_error(e), anthropic_api.param_name)
+                error = from_call_error(as_call_error(e), anthropic_api.param_name)
                 yield sse.event("error", error.anthropic_body())
             finally:
                 run.end()
@@ -180,8 +180,8 @@ class HttpFace:
             ids = await self.generation.off_loop(
                 sum(len(m["content"]) for m in chat.messages), render_chat, chat, tokenizer, info.max_model_len
             )
-        except RequestError as e:
-            return _error(from_request_error(e, anthropic_api.param_name), anthropic=True)
+        except CallError as e:
+            return _error(from_call_error(e, anthropic_api.param_name), anthropic=True)
         except HttpError as e:
             return _error(e, anthropic=True)
         return JSONResponse({"input_tokens": len(ids)})
@@ -207,8 +207,8 @@ class HttpFace:
                 ids = await self.generation.off_loop(
                     len(prompt), encode_prompt, "prompt", prompt, tokenizer, info.max_model_len, add
                 )
-        except RequestError as e:
-            return _error(from_request_error(e, openai_requests.param_name))
+        except CallError as e:
+            return _error(from_call_error(e, openai_requests.param_name))
         except HttpError as e:
             return _error(e)
         return JSONResponse({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
@@ -223,8 +223,8 @@ class HttpFace:
                 raise bad_request("tokens", f"at most {MAX_DETOKENIZE_IDS} ids are allowed, got {len(ids)}")
             check_ids("tokens", ids, tokenizer.vocab_size)
             text = await self.generation.off_loop(len(ids), tokenizer.decode, ids)
-        except RequestError as e:
-            return _error(from_request_error(e, openai_requests.param_name))
+        except CallError as e:
+            return _error(from_call_error(e, openai_requests.param_name))
         except HttpError as e:
             return _error(e)
         return JSONResponse({"prompt": text})
@@ -237,8 +237,8 @@ class HttpFace:
     def _ready(self, rename):
         try:
             return self.generation.ready()
-        except RequestError as e:
-            raise from_request_error(e, rename) from None
+        except CallError as e:
+            raise from_call_error(e, rename) from None
 
     def _model(self, model: str | None) -> str:
         """The served model's name; a request that names another model gets 404, as from OpenAI."""

@@ -1,6 +1,6 @@
 """HTTP errors of both APIs: one exception, one status table, two JSON shapes.
 
-    RequestError(code, "field: what to fix") ── from_request_error() ──▶ HttpError(status, message, param)
+    CallError(code, "field: what to fix") ── from_call_error() ──▶ HttpError(status, message, param)
     HttpError ── openai_body() ──▶ {"error": {"message", "type", "param", "code"}}     (OpenAI's shape)
               ── anthropic_body() ──▶ {"type": "error", "error": {"type", "message"}} (/v1/messages)
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from frontend_svc.service.planning import RequestError
+from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode
 
 # ErrorCode -> (HTTP status, OpenAI error type). RESOURCE_EXHAUSTED and UNAVAILABLE are
@@ -76,7 +76,7 @@ def bad_request(param: str, message: str) -> HttpError:
     return HttpError(400, f"{param}: {message}", param=param)
 
 
-def from_request_error(error: RequestError, rename: Callable[[str], str]) -> HttpError:
+def from_call_error(error: CallError, rename: Callable[[str], str]) -> HttpError:
     """The HTTP error for a planning or engine error; an INVALID_ARGUMENT's leading field
     path becomes the face's parameter name."""
     status, kind = _STATUS.get(error.code, (500, "internal_error"))

@@ -8,6 +8,7 @@ some unset fields). Unknown fields are ignored, as OpenAI's API does.
 
 from __future__ import annotations
 
+import builtins
 import math
 from typing import Any
 
@@ -72,11 +73,11 @@ class Fields:
             raise bad_request(self.name(key), f"must be a string, got {json_type(value)}")
         return value
 
-    def object(self, key: str) -> Fields | None:
+    def object(self, key: builtins.str) -> Fields | None:
         value = self.body.get(key)
         return None if value is None else Fields(value, self.name(key))
 
-    def list(self, key: str) -> list | None:
+    def list(self, key: builtins.str) -> builtins.list | None:
         value = self.body.get(key)
         if value is None:
             return None
@@ -84,7 +85,7 @@ class Fields:
             raise bad_request(self.name(key), f"must be an array, got {json_type(value)}")
         return value
 
-    def str_or_strs(self, key: str) -> list[str]:
+    def str_or_strs(self, key: builtins.str) -> builtins.list[builtins.str]:
         """A string or an array of strings (``stop``), as a list."""
         value = self.body.get(key)
         if value is None:
@@ -95,7 +96,7 @@ class Fields:
             return list(value)
         raise bad_request(self.name(key), f"must be a string or an array of strings, got {json_type(value)}")
 
-    def ints(self, key: str) -> list[int]:
+    def ints(self, key: builtins.str) -> builtins.list[builtins.int]:
         value = self.body.get(key)
         if value is None:
             return []

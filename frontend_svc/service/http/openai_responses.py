@@ -104,8 +104,9 @@ class OpenAIAnswer:
 
     def usage(self) -> dict:
         """Prompt tokens once (n choices share the prompt), completion tokens over all choices."""
-        completion = sum(c.last.usage.completion_tokens if c.last else c.num_tokens for c in self.choices)
-        cached = max((c.last.usage.cached_tokens for c in self.choices if c.last), default=0)
+        usages = [c.last.usage if c.last is not None else None for c in self.choices]
+        completion = sum(u.completion_tokens if u is not None else c.num_tokens for u, c in zip(usages, self.choices))
+        cached = max((u.cached_tokens for u in usages if u is not None), default=0)
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion,

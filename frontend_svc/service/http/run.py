@@ -19,10 +19,11 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from frontend_svc.engine.types import EngineUnavailableError
+from frontend_svc.service.flow import Call
 from frontend_svc.service.generation import Generation
-from frontend_svc.service.planning import GenerateInput, Plan, RequestError, RequestSizes, check_sizes, plan_generate
+from frontend_svc.service.planning import GenerateInput, Plan, RequestSizes, check_sizes, plan_generate
 from frontend_svc.service.request_stats import GenerateStats
+from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
 
 
@@ -44,18 +45,18 @@ class HttpRun:
         if self.stats.span is not None:  # the Generate span, told apart from a gRPC call's
             self.stats.span.set_attributes({"http.request.method": request.method, "http.route": request.url.path})
         self.code, self.message = grpc.StatusCode.CANCELLED, ""
-        self._call = None
+        self._call: Call | None = None
         self._ended = False
 
     async def plan(self, gen: GenerateInput, operation: str) -> Plan:
-        """The checked plan, or RequestError (the run is ended then)."""
+        """The checked plan, or CallError (the run is ended then)."""
         g = self.generation
         try:
             self._call = g.calls.enter()
             tokenizer, info = g.ready()
             check_sizes(_sizes(gen), g.limits, info)
             plan = await g.off_loop(_input_chars(gen), plan_generate, gen, tokenizer, info, g.limits)
-        except RequestError as e:
+        except CallError as e:
             self.failed(e)
             self.end()
             raise
@@ -100,8 +101,8 @@ def _input_chars(gen: GenerateInput) -> int:
     return len(gen.text) + 4 * len(gen.token_ids)
 
 
-def as_request_error(e: Exception) -> RequestError:
-    return e if isinstance(e, RequestError) else RequestError(ErrorCode.UNAVAILABLE, str(e))
+def as_call_error(e: Exception) -> CallError:
+    return e if isinstance(e, CallError) else CallError(ErrorCode.UNAVAILABLE, str(e))
 
 
 async def collect(run: HttpRun, pieces, add) -> None:
@@ -110,7 +111,7 @@ async def collect(run: HttpRun, pieces, add) -> None:
             add(piece)
 
 
-async def until_disconnect(request: Request, run: HttpRun, work) -> RequestError | None:
+async def until_disconnect(request: Request, run: HttpRun, work) -> CallError | None:
     """Runs ``work`` (a whole non-streamed answer) unless the client disconnects first,
     which cancels it and so aborts its engine requests at once. Returns the request's
     error, if any; the run is ended either way."""
@@ -124,14 +125,14 @@ async def until_disconnect(request: Request, run: HttpRun, work) -> RequestError
             await task
             run.ok()
             return None
-        except (RequestError, EngineUnavailableError) as e:
+        except (CallError, EngineUnavailableError) as e:
             run.failed(e)
-            return as_request_error(e)
+            return as_call_error(e)
         except asyncio.CancelledError:
             if not watch.done():
                 raise  # this handler itself was cancelled (shutdown)
             # The client went away: the answer reaches nobody; the run ends CANCELLED.
-            return RequestError(ErrorCode.UNAVAILABLE, "the client disconnected")
+            return CallError(ErrorCode.UNAVAILABLE, "the client disconnected")
     finally:
         watch.cancel()
         task.cancel()

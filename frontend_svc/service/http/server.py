@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import socket
 
 import uvicorn
@@ -121,7 +122,7 @@ class HttpServer:
             ssl_keyfile=tls_key,
             limit_concurrency=max_connections,
             h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
-            timeout_graceful_shutdown=grace_s,
+            timeout_graceful_shutdown=math.ceil(grace_s),
             server_header=False,
         )
         self.server = uvicorn.Server(self.config)
