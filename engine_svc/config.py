@@ -39,6 +39,7 @@ class EngineConfig:
     tls_ca: str | None = None
     num_threads: int | None = None
     kernels: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
@@ -102,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         "compiler once; AVX2 or better) run the matmuls, norms, RoPE and attention, and each step's "
         "thread count is picked by timing; without them, weights packed for oneDNN; "
         "torch: plain torch ops everywhere (the reference path)",
+    )
+    m.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["int8", "int4"],
+        help="keep the linear layers' weights quantized at load and run them on the native quantized "
+        "GEMM: int8 (symmetric, groups of 32) or int4 (scale and min per group of 32); the LM head and "
+        "the embeddings keep --dtype. Needs the native kernels (default: off)",
     )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
 

@@ -68,6 +68,7 @@ class EngineCore:
             kernels=config.kernels,
             batch_size_hint=config.max_num_seqs,
             max_num_seqs=config.max_num_seqs,
+            quantization=config.quantization,
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
