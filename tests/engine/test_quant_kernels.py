@@ -11,7 +11,15 @@ import torch.nn.functional as F
 
 from engine_svc.model.native import NativeKernels, build, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
-from engine_svc.model.native.quant import QuantizedWeight, pack_nibbles, quantize_int4, quantize_int8
+from engine_svc.model.native.quant import (
+    QuantizedWeight,
+    as_int8,
+    concat_rows,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    take_rows,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -80,3 +88,18 @@ def test_quantizing_at_load_is_close_and_the_layouts_are_checked():
         QuantizedWeight(4, packed, torch.ones(2, 4), None, 16)
     with pytest.raises(ValueError, match="do not fit"):
         QuantizedWeight(8, torch.zeros(2, 64, dtype=torch.int8), torch.ones(2, 3), None, 32)
+
+
+def test_rows_taken_stacked_and_widened_keep_every_value():
+    torch.manual_seed(3)
+    a, b = quantize_int4(torch.randn(8, 64)), quantize_int8(torch.randn(4, 64), 16)
+    both = concat_rows([a, b])
+    assert both.bits == 8 and both.group == 16
+    torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]), rtol=0, atol=1e-6)
+    same = concat_rows([a, quantize_int4(torch.randn(2, 64))])
+    assert same.bits == 4 and same.out_features == 10
+    index = torch.tensor([3, 0, 7])
+    torch.testing.assert_close(take_rows(a, index).dequantize(), a.dequantize()[index], rtol=0, atol=0)
+    torch.testing.assert_close(as_int8(a, 32).dequantize(), a.dequantize(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="groups of 16 cannot become groups of 32"):
+        as_int8(b, 32)

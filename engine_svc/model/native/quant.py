@@ -98,3 +98,53 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
     q = torch.where(scale.unsqueeze(2) > 0, (g - lo.unsqueeze(2)) / scale.clamp_min(1e-30).unsqueeze(2), 0.0)
     q = q.round().clamp(0, 15).reshape(n, k)
     return QuantizedWeight(4, pack_nibbles(q), scale.contiguous(), lo.contiguous(), 32)
+
+
+def take_rows(w: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """The weight's output rows in the order of ``index`` (rows are independent groups)."""
+    return QuantizedWeight(
+        w.bits,
+        w.qs[index].contiguous(),
+        w.scale[index].contiguous(),
+        None if w.min is None else w.min[index].contiguous(),
+        w.group,
+    )
+
+
+def as_int8(w: QuantizedWeight, group: int) -> QuantizedWeight:
+    """The same weight in the int8 layout with groups of ``group`` (16 or 32, no larger than
+    its own), without changing a value: 4-bit values fit int8, a group's scale repeats."""
+    if w.bits == 8 and w.group == group:
+        return w
+    if group > w.group or w.group % group:
+        raise ValueError(f"groups of {w.group} cannot become groups of {group}")
+    repeat = w.group // group
+    q = w.values().to(torch.int8) if w.bits == 4 else w.qs
+    return QuantizedWeight(
+        8,
+        q.contiguous(),
+        w.scale.repeat_interleave(repeat, dim=1).contiguous(),
+        None if w.min is None else w.min.repeat_interleave(repeat, dim=1).contiguous(),
+        group,
+    )
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights stacked along N (a fused q/k/v or gate/up projection). Parts of different
+    layouts meet in the widest one (int8, the smallest group), which changes no value."""
+    if len({(p.bits, p.group, p.min is None) for p in parts}) > 1:
+        group = min(p.group for p in parts)
+        parts = [as_int8(p, group) for p in parts]
+    if len({p.min is None for p in parts}) > 1:
+        parts = [
+            p if p.min is not None else QuantizedWeight(p.bits, p.qs, p.scale, torch.zeros_like(p.scale), p.group)
+            for p in parts
+        ]
+    first = parts[0]
+    return QuantizedWeight(
+        first.bits,
+        torch.cat([p.qs for p in parts]).contiguous(),
+        torch.cat([p.scale for p in parts]).contiguous(),
+        None if first.min is None else torch.cat([p.min for p in parts if p.min is not None]).contiguous(),
+        first.group,
+    )
