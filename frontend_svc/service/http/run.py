@@ -27,21 +27,28 @@ from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
 
 
-class _Headers:
-    """An HTTP request's headers where GenerateStats reads gRPC metadata (the trace context)."""
+class _CallContext:
+    """What GenerateStats and the fair share read of a gRPC context, from an HTTP request:
+    its headers as metadata (trace context, API key) and its peer (the client's address)."""
 
     def __init__(self, request: Request) -> None:
         self._pairs = list(request.headers.items())
+        host, port = (request.client.host, request.client.port) if request.client else ("", 0)
+        self._peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
     def invocation_metadata(self):
         return self._pairs
+
+    def peer(self) -> str:
+        return self._peer
 
 
 class HttpRun:
     def __init__(self, generation: Generation, request: Request) -> None:
         self.generation = generation
         request_id = request.headers.get("x-request-id", "")
-        self.stats = GenerateStats(generation.metrics, generation.tracer, _Headers(request), request_id)
+        self._context = _CallContext(request)
+        self.stats = GenerateStats(generation.metrics, generation.tracer, self._context, request_id)
         if self.stats.span is not None:  # the Generate span, told apart from a gRPC call's
             self.stats.span.set_attributes({"http.request.method": request.method, "http.route": request.url.path})
         self.code, self.message = grpc.StatusCode.CANCELLED, ""
@@ -52,7 +59,7 @@ class HttpRun:
         """The checked plan, or CallError (the run is ended then)."""
         g = self.generation
         try:
-            self._call = g.calls.enter()
+            self._call = g.calls.enter(self._context)
             tokenizer, info = g.ready()
             check_sizes(_sizes(gen), g.limits, info)
             plan = await g.off_loop(_input_chars(gen), plan_generate, gen, tokenizer, info, g.limits)
