@@ -1,0 +1,158 @@
+"""GGUF loading on small files written here with gguf's own writer (no download).
+
+A random Llama (tests/model_factory.py) is written as a GGUF file the way llama.cpp's
+converter writes one (names, Q/K rows permuted, float32); reading it back must give the
+Hugging Face tensors exactly, and the engine must compute the same logits from both files.
+Files the engine cannot serve are refused with a message naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine_svc.model.gguf_checkpoint import find_gguf
+from engine_svc.model.gguf_metadata import GGUFError, hf_config, open_gguf
+from engine_svc.model.gguf_weights import _unpermute, read_gguf_tensors
+from engine_svc.model.llama import ModelArgs
+from engine_svc.model.loader import build_model, load_model
+from tests.model_factory import make_model_dir
+
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """``permute`` of llama.cpp's convert_hf_to_gguf.py, verbatim in numpy."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{suffix}"
+
+
+def write_gguf(path, config: dict, tensors: dict[str, torch.Tensor], arch: str = "llama") -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in tensors.items():
+        array = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, config["num_key_value_heads"])
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(HF directory, the same weights as a GGUF file, the HF tensors)."""
+    root = tmp_path_factory.mktemp("gguf")
+    hf_dir = make_model_dir(root / "hf", arch="llama", vocab_size=256, num_heads=4, num_kv_heads=2)
+    tensors = load_file(hf_dir / "model.safetensors")
+    path = root / "tiny.gguf"
+    write_gguf(path, json.loads((hf_dir / "config.json").read_text()), tensors)
+    return hf_dir, path, tensors
+
+
+def test_unpermute_inverts_llama_cpps_permutation():
+    w = torch.arange(8 * 64 * 3, dtype=torch.float32).reshape(8 * 64, 3)  # 8 heads of 64 rows
+    permuted = torch.from_numpy(_llama_cpp_permute(w.numpy(), 8))
+    assert not torch.equal(permuted, w)
+    assert torch.equal(_unpermute(permuted, 8), w)
+
+
+def test_gguf_tensors_read_back_as_the_hugging_face_ones(llama):
+    hf_dir, path, tensors = llama
+    args = ModelArgs.from_hf_config(hf_config(open_gguf(path), path))
+    read, freq_factors = read_gguf_tensors(path, args)
+    assert freq_factors is None
+    assert {name for name, _ in read} == set(tensors)
+    for name, value in read:
+        assert torch.equal(value, tensors[name]), name
+
+
+def test_the_gguf_file_computes_the_logits_of_the_hf_directory(llama):
+    hf_dir, path, _ = llama
+    args = ModelArgs.from_hf_config(hf_config(open_gguf(path), path))
+    from_gguf, _ = build_model(args, read_gguf_tensors(path, args)[0], "cpu", torch.float32, path)
+    from_hf, _ = load_model(hf_dir, "cpu", "float32")
+    for (name, a), (_, b) in zip(sorted(from_gguf.state_dict().items()), sorted(from_hf.state_dict().items())):
+        assert torch.equal(a, b), name
+    assert torch.equal(from_gguf.rotary.inv_freq, from_hf.rotary.inv_freq)
+
+
+def test_an_unsupported_architecture_is_refused_by_name(llama, tmp_path):
+    hf_dir, _, tensors = llama
+    path = tmp_path / "other.gguf"
+    write_gguf(path, json.loads((hf_dir / "config.json").read_text()), tensors, arch="gemma2")
+    with pytest.raises(GGUFError, match=r"architecture 'gemma2' is not supported; supported: llama, mistral, qwen2"):
+        hf_config(open_gguf(path), path)
+
+
+def test_an_unsupported_tensor_type_is_refused_by_name(tmp_path):
+    path = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    # One IQ4_NL block (32 values in 18 bytes): a type gguf reads but this engine does not serve.
+    writer.add_tensor("token_embd.weight", np.zeros((1, 18), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match=r"tensor type IQ4_NL is not supported; supported types: .*Q4_K"):
+        hf_config(open_gguf(path), path)
+
+
+def test_a_file_that_is_not_gguf_gets_a_clear_error(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(GGUFError, match="is not a readable GGUF file"):
+        open_gguf(path)
+
+
+def test_model_paths_name_one_gguf(llama, tmp_path):
+    hf_dir, path, _ = llama
+    assert find_gguf(path) == path
+    assert find_gguf(path.parent) == path  # a directory holding one GGUF (hf/ beside it is not one)
+    assert find_gguf(hf_dir) is None  # a Hugging Face directory
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(GGUFError, match="several GGUF files"):
+        find_gguf(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(GGUFError, match="must be a GGUF"):
+        find_gguf(tmp_path / "weights.bin")
