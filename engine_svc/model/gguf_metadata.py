@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 
 # llama.cpp writes Llama and Mistral checkpoints as "llama" (with the Q/K rows permuted);
 # "mistral" is accepted as a spelling of the same layout.
@@ -51,13 +52,32 @@ class GGUFError(ValueError):
     """A GGUF file this engine cannot serve; the message names what and why."""
 
 
+class _Reader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` over a plain ndarray view of its memory map.
+
+    The reader slices its map a few times per vocabulary entry and merge (about 250k
+    slices for a 49k vocabulary), and each slice of a ``np.memmap`` runs two Python-level
+    hooks; a plain view of the same mapping skips them, which opens SmolLM2's file about
+    four times faster (1.9 s against 8.6 s on a loaded 2-core machine). The view keeps
+    the map alive (as its base), and the reader reads the same bytes either way.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
     """A reader over ``path`` (memory-mapped), or a GGUFError that says what is wrong."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:
-        return gguf.GGUFReader(path)
+        return _Reader(path)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError ...
         raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
 
