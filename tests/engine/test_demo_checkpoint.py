@@ -42,3 +42,15 @@ def test_a_cached_checkpoint_is_served_offline(smollm2_gguf, tmp_path):
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()) == cached
     assert "fetching" not in done.stderr and "instead" not in done.stderr, done.stderr
+
+
+def test_demo_model_writes_the_gguf_and_random_writes_the_random_model(smollm2_gguf, tmp_path, capsys):
+    import tandem_cli
+    from engine_svc.demo_model import is_demo_model_dir
+
+    assert tandem_cli.main(["demo-model", str(tmp_path / "real")]) == 0
+    written = tmp_path / "real" / smollm2_gguf.name
+    assert written.read_bytes() == smollm2_gguf.read_bytes()
+    assert f"tandem serve --model {written}" in capsys.readouterr().out
+    assert tandem_cli.main(["demo-model", "--random", str(tmp_path / "random")]) == 0
+    assert is_demo_model_dir(tmp_path / "random")
