@@ -1,8 +1,10 @@
 """GGUF loading on small files written here with gguf's own writer (no download).
 
-A random Llama (tests/model_factory.py) is written as a GGUF file the way llama.cpp's
-converter writes one (names, Q/K rows permuted, float32); reading it back must give the
-Hugging Face tensors exactly, and the engine must compute the same logits from both files.
+A random Llama and a random Qwen2 (tests/model_factory.py) are written as GGUF files the
+way llama.cpp's converter writes them (names, Llama's Q/K rows permuted, float32); reading it back must give the
+Hugging Face tensors exactly, and the engine must build the same model from both files;
+written in F16, BF16 and the Q4/Q5/Q8 types gguf can quantize, each weight must read back
+as gguf's own dequantization of its bytes.
 Files the engine cannot serve are refused with a message naming what is wrong.
 """
 
@@ -65,11 +67,12 @@ def write_gguf(path, config: dict, tensors: dict[str, torch.Tensor], arch: str =
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    permute = arch == "llama"  # llama.cpp's converter permutes Llama's Q/K rows, not Qwen2's
     for name, tensor in tensors.items():
         array = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if permute and name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif permute and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, config["num_key_value_heads"])
         writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
     writer.write_header_to_file()
@@ -78,14 +81,14 @@ def write_gguf(path, config: dict, tensors: dict[str, torch.Tensor], arch: str =
     writer.close()
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """(HF directory, the same weights as a GGUF file, the HF tensors)."""
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def llama(request, tmp_path_factory):
+    """(HF directory, the same weights as a GGUF file, the HF tensors); Qwen2's has Q/K/V biases."""
     root = tmp_path_factory.mktemp("gguf")
-    hf_dir = make_model_dir(root / "hf", arch="llama", vocab_size=256, num_heads=4, num_kv_heads=2)
+    hf_dir = make_model_dir(root / "hf", arch=request.param, vocab_size=256, num_heads=4, num_kv_heads=2)
     tensors = load_file(hf_dir / "model.safetensors")
     path = root / "tiny.gguf"
-    write_gguf(path, json.loads((hf_dir / "config.json").read_text()), tensors)
+    write_gguf(path, json.loads((hf_dir / "config.json").read_text()), tensors, arch=request.param)
     return hf_dir, path, tensors
 
 
@@ -156,3 +159,58 @@ def test_model_paths_name_one_gguf(llama, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(GGUFError, match="must be a GGUF"):
         find_gguf(tmp_path / "weights.bin")
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantized_tensors_dequantize_in_place_of_the_weights(llama, tmp_path, qtype):
+    """Each quantized Linear weight reads back as gguf's own dequantization of its bytes,
+    in the [out, in] layout, and the model still builds from them."""
+    from gguf.quants import dequantize, quantize
+
+    hf_dir, _, tensors = llama
+    config = json.loads((hf_dir / "config.json").read_text())
+    kind = gguf.GGMLQuantizationType[qtype]
+    path = tmp_path / f"{qtype}.gguf"
+    writer = gguf.GGUFWriter(str(path), config["model_type"])
+    for key, value in hf_config_keys(config).items():
+        getattr(writer, key)(value)
+    expected = {}
+    for name, tensor in tensors.items():
+        array = tensor.float().numpy()
+        if array.ndim == 2:
+            # Llama's Q/K rows are stored permuted (llama.cpp); rows[j] is the HF row at j.
+            heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+            head = next((h for part, h in heads.items() if part in name), None)
+            rows = np.arange(array.shape[0])
+            if config["model_type"] == "llama" and head is not None:
+                rows = _llama_cpp_permute(rows, head)
+            packed = quantize(np.ascontiguousarray(array[rows]), kind)
+            writer.add_tensor(_gguf_name(name), packed, raw_dtype=kind)
+            values = dequantize(packed, kind).reshape(array.shape)
+            expected[name] = torch.from_numpy(values[np.argsort(rows)])
+        else:
+            writer.add_tensor(_gguf_name(name), array)
+            expected[name] = tensor
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = open_gguf(path)
+    assert {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2} == {qtype}
+    args = ModelArgs.from_hf_config(hf_config(reader, path))
+    read, _ = read_gguf_tensors(path, args)
+    for name, value in read:
+        assert torch.equal(value, expected[name].float()), name
+    build_model(args, read, "cpu", torch.float32, path)
+
+
+def hf_config_keys(config: dict) -> dict:
+    return {
+        "add_block_count": config["num_hidden_layers"],
+        "add_embedding_length": config["hidden_size"],
+        "add_feed_forward_length": config["intermediate_size"],
+        "add_head_count": config["num_attention_heads"],
+        "add_head_count_kv": config["num_key_value_heads"],
+        "add_layer_norm_rms_eps": config["rms_norm_eps"],
+        "add_vocab_size": config["vocab_size"],
+    }
