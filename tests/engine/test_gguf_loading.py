@@ -54,7 +54,10 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF[module]}.{suffix}"
 
 
-def write_gguf(path, config: dict, tensors: dict[str, torch.Tensor], arch: str = "llama") -> None:
+def write_gguf(
+    path, config: dict, tensors: dict[str, torch.Tensor], arch: str = "llama", extra: dict | None = None
+) -> None:
+    """``tensors`` (HF names) as llama.cpp writes them; ``extra`` tensors under GGUF names."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
@@ -75,6 +78,8 @@ def write_gguf(path, config: dict, tensors: dict[str, torch.Tensor], arch: str =
         elif permute and name.endswith("k_proj.weight"):
             array = _llama_cpp_permute(array, config["num_key_value_heads"])
         writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+    for name, tensor in (extra or {}).items():
+        writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -214,3 +219,19 @@ def hf_config_keys(config: dict) -> dict:
         "add_layer_norm_rms_eps": config["rms_norm_eps"],
         "add_vocab_size": config["vocab_size"],
     }
+
+
+def test_rope_freqs_divide_the_rope_frequencies(tmp_path):
+    """llama.cpp bakes Llama 3.1's RoPE scaling into a ``rope_freqs`` tensor of divisors."""
+    hf_dir = make_model_dir(tmp_path / "hf", arch="llama", vocab_size=256, num_heads=4, num_kv_heads=2)
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    path = tmp_path / "rope.gguf"
+    factors = torch.linspace(1.0, 8.0, 64 // 4 // 2)  # one per frequency: head_dim 16 -> 8
+    write_gguf(path, config, tensors, extra={"rope_freqs.weight": factors})
+    args = ModelArgs.from_hf_config(hf_config(open_gguf(path), path))
+    read, freq_factors = read_gguf_tensors(path, args)
+    assert freq_factors is not None and torch.equal(freq_factors, factors)
+    model, _ = build_model(args, read, "cpu", torch.float32, path, freq_factors=freq_factors)
+    plain, _ = load_model(hf_dir, "cpu", "float32")
+    torch.testing.assert_close(model.rotary.inv_freq, plain.rotary.inv_freq / factors)
