@@ -181,3 +181,14 @@ def test_pass_through_arguments_take_every_form():
     assert tandem_cli._split(args.engine_arg) == ["--max-num-seqs=4", "--block-size=32"]
     assert tandem_cli._split(args.frontend_arg) == ["--max-n", "2"]
     assert args.prompt == "Once upon a time"  # the value after --engine-arg is not the prompt
+
+
+@pytest.mark.parametrize("mode, head", [((), "user: Hi\nassistant: "), (("--raw",), "Hi")])
+def test_try_sends_a_chat_turn_where_the_model_has_a_template_and_raw_text_on_request(demo_model_dir, mode, head):
+    cli = Cli("try", "--model", str(demo_model_dir), "--max-tokens", "4", *mode, "Hi")
+    try:
+        assert cli.wait_exit(180) == 0, "".join(cli.stderr)
+        out = "".join(cli.stdout)
+        assert out.startswith(head) and "4 generated tokens]" in out, out
+    finally:
+        cli.cleanup()
