@@ -43,7 +43,10 @@ class Cli:
 
     def watch_children(self) -> dict[int, str]:
         for pid, cmdline in _children_of(self.proc.pid).items():
-            self.children.setdefault(pid, cmdline)
+            # The newest non-empty command line: a child seen between fork and exec still
+            # shows this CLI's, and a zombie's is empty.
+            if cmdline or pid not in self.children:
+                self.children[pid] = cmdline
         return self.children
 
     def wait_for(self, condition, timeout: float, what: str) -> None:
