@@ -125,13 +125,14 @@ class NativeKernels:
             raise ValueError(f"gemm: x is {x.dtype}, the weight was packed in {w.panels.dtype}; pack it in x's dtype")
         m = x.shape[0]
         out = torch.empty(m, w.out_features, dtype=x.dtype)
-        code = _code(x)
-        ws = torch.empty(m * w.in_features if code else 0, dtype=torch.float32)  # bfloat16 A in float32
+        code = _code(x)  # the panels' too (checked above)
+        # bfloat16 A, widened to float32 (or paired, gemm_bf16.h) once per call; float32 A needs none.
+        ws = torch.empty(m * w.in_features, dtype=torch.float32) if code else None  # alive through the call
         rc = self._lib.tk_gemm(
-            x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), _code(w.panels),
+            x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), code,
             None if w.bias is None else w.bias.data_ptr(), out.data_ptr(), w.out_features, code,
             m, w.out_features, w.in_features, EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
-            ws.data_ptr() if code else None, torch.get_num_threads(),
+            None if ws is None else ws.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         _check("gemm", rc)
         return out
