@@ -85,7 +85,7 @@ static inline __attribute__((always_inline)) void micro_tile(
     if (pdtype == TK_BF16) {
         const bf16 *b = (const bf16 *)panel;
         for (int k = 0; k < kc; k++) {
-            __builtin_prefetch(pf + (size_t)k * NR * 2, 0, 3); /* NR bfloat16 = one 64-byte line */
+            __builtin_prefetch(pf + (size_t)k * NR * 2, 0, 3); /* NR bfloat16: 64 bytes (AVX512) or 32 */
             const vf b0 = vload_bf16(b + (size_t)k * NR), b1 = vload_bf16(b + (size_t)k * NR + TK_VL);
             for (int r = 0; r < mr; r++) {
                 const vf ar = vbcast(a[(size_t)r * lda + k]);
@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void micro_tile(
         const float *b = (const float *)panel;
         for (int k = 0; k < kc; k++) {
             __builtin_prefetch(pf + (size_t)k * NR * 4, 0, 3);
-            __builtin_prefetch(pf + (size_t)k * NR * 4 + 64, 0, 3);
+            if (NR * 4 > 64) __builtin_prefetch(pf + (size_t)k * NR * 4 + 64, 0, 3); /* AVX512: 2 lines per k */
             const vf b0 = vload(b + (size_t)k * NR), b1 = vload(b + (size_t)k * NR + TK_VL);
             for (int r = 0; r < mr; r++) {
                 const vf ar = vbcast(a[(size_t)r * lda + k]);
