@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_svc.config import EngineConfig
+from engine_svc.grammar_compiler import GrammarCompiler
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import EngineOutput, EngineStats, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler
-from engine_svc.structured import StructuredOutputs
 from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class EngineCore:
             self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
         )
         # Constrained requests wait here, outside the scheduler, while their grammar compiles.
-        self.structured = StructuredOutputs.for_model(
+        self.structured = GrammarCompiler.for_model(
             self.model_dir,
             self.vocab_size,
             self.eos_token_ids,

@@ -142,6 +142,10 @@ class EngineServer:
         core = self.engine.core
         self._observe(self.engine, core.model_name)
         self.servicer.attach(self.engine, model_info(core, cfg), core.model_dir)
+        loop = asyncio.get_running_loop()
+        self.engine.on_failure = lambda _: asyncio.run_coroutine_threadsafe(
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING), loop
+        )
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         write_ready_file(cfg.ready_file, service="engine", host=cfg.host, port=self.port, state="serving")
         logger.info("serving (ready %.2f s after start of loading)", time.perf_counter() - t0)

@@ -206,6 +206,9 @@ async def _raise_reader_failure(reader: asyncio.Task, context) -> None:
     raise error
 
 
+_ENGINE_DIED = "the engine's loop failed (see its log); it serves nothing more: use another engine"
+
+
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one EngineLoop. ``loop`` is None until the model is loaded and warmed up."""
 
@@ -230,6 +233,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def _require_engine(self, context) -> EngineLoop:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model; retry shortly")
+        if self.engine.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _ENGINE_DIED)
         return self.engine
 
     async def close_streams(self, timeout: float) -> None:
@@ -312,6 +317,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                         taken.set()
                         await _raise_reader_failure(reader, context)
                     if batch.done:
+                        if engine.failure is not None:
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, _ENGINE_DIED)
                         if self._closing:
                             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine shut down; use another engine")
                         return
