@@ -14,6 +14,7 @@ before a change: compare the two outputs. Scenarios:
     parked          N clients that read nothing: frontend memory per stream, engine still running
     hung-engine     the engine is stopped (SIGSTOP) mid-stream: seconds until the call ends
     slow-reader     the engine is killed while a slow reader's output waits: seconds to the end
+    nested-schema, regex-bomb, bomb-memory, cancelled-compiles: structured output (abuse_structured.py)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.abuse_structured import SCENARIOS as STRUCTURED_SCENARIOS
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tandem_protos.tandem.generate.v1 import generate_pb2_grpc
 from tests.rpc.frontend_calls import engine_load
@@ -203,6 +205,7 @@ SCENARIOS = {
     "parked": parked,
     "hung-engine": hung_engine,
     "slow-reader": slow_reader,
+    **STRUCTURED_SCENARIOS,
 }
 
 
