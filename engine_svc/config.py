@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--structured-output-timeout-s",
         type=float,
         default=d.structured_output_timeout_s,
-        help="a request whose grammar is not compiled this many seconds after it arrived fails with "
-        "INVALID_ARGUMENT (the compile goes on and is cached for later requests)",
+        help="a request whose grammar has compiled this many seconds fails with INVALID_ARGUMENT (the "
+        "compile goes on and is cached for later requests); one whose compile has not started this many "
+        "seconds after it arrived fails with RESOURCE_EXHAUSTED",
     )
 
     s = p.add_argument_group("scheduler and KV cache")

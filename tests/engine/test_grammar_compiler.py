@@ -125,7 +125,8 @@ def test_an_aborted_compile_is_dropped_before_it_starts(setup):
     [(_, grammar)] = _settle(compiler, 1)
     assert not isinstance(grammar, RequestError)
     # At most the two compiles already running were waited for, not the whole queue.
-    assert compiler.stats().compile_durations_s and len(compiler.stats().compile_durations_s) <= 3
+    durations = compiler.stats().compile_durations_s  # compiles finished so far
+    assert 1 <= len(durations) <= 3, durations
     assert time.monotonic() - start < 30
 
 
