@@ -23,7 +23,17 @@ MAX_JSON_SCHEMA_DEPTH = 128  # nested objects and arrays: serde_json's limit in 
 MAX_REPEATED_ATOMS = 10_000  # atoms counted repetitions may add (regexes, schema patterns, grammars)
 
 _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # {n} {n,} {n,m}; anything else is a literal brace
-_BRACED_ESCAPES = frozenset("pPxuU")  # \p{Greek}, \x{10FFFF}, \u{...}: the braces belong to the escape
+_TOKEN = re.compile(
+    r"""(?P<literals>[^\\\[\](){}|*+?^$.]+)
+    |(?P<count>\{(?P<min>\d+)(?:,(?P<max>\d*))?\})
+    |(?P<open>\()
+    |(?P<close>\))
+    |(?P<operator>[|*+?^$])
+    |(?P<escape>\\[pPxuU]\{[^}]*\}|\\.)            # \p{Greek}, \x{10FFFF}: the braces are the escape's
+    |(?P<class>\[\^?\]?(?:[^\]\\\[]|\\.)*\])  # a class without nested classes
+    |(?P<other>.)""",
+    re.DOTALL | re.VERBOSE,
+)
 
 
 def json_depth(text: str) -> int:
@@ -54,49 +64,42 @@ def repeated_atoms(pattern: str) -> int:
     ``x{1000}`` adds 999, ``(x{1000}){999}`` 998,999; a written literal adds none. A scan,
     not a parser: groups are a stack of running sums, a class ``[...]`` and an escape are
     one atom, and a count multiplies the atom or group just before it. A malformed
-    pattern gets a figure too; the compiler refuses it with its own message.
+    pattern gets a figure too; the compiler refuses it with its own message. One regex
+    match per token, so 64 KiB of pattern costs milliseconds (the engine runs this on its
+    step thread).
     """
+    if not _COUNT.search(pattern):
+        return 0
     frames: list[int] = [0]  # the unrolled size of each open group, outermost first
     last = 0  # the unrolled size of the atom or group just ended: what a count would repeat
     written = 0  # atoms as written
     i, n = 0, len(pattern)
     while i < n:
-        ch = pattern[i]
-        if ch == "(":
-            frames.append(0)
-            i += 1
-            continue
-        if ch == "{" and (m := _COUNT.match(pattern, i)):
-            copies = max(int(m.group(1)), int(m.group(2) or 0))
+        m = _TOKEN.match(pattern, i)
+        assert m is not None  # the last alternative takes any one character
+        kind, i = m.lastgroup, m.end()
+        if kind == "literals":  # only the last of a run can take a count
+            written += i - m.start()
+            frames[-1] += i - m.start()
+            last = 1
+        elif kind == "count":
+            copies = max(int(m.group("min")), int(m.group("max") or 0))
             frames[-1] += last * (copies - 1)  # the atom itself was counted once already
             last *= copies
-            i = m.end()
-            continue
-        if ch in "|*+?^$":
-            last = 0 if ch in "|^$" else last
-            i += 1
-            continue
-        if ch == ")":
+        elif kind == "open":
+            frames.append(0)
+        elif kind == "close":
             last = frames.pop() if len(frames) > 1 else 0
-            i += 1
-        else:
-            if ch == "\\":
-                i += 2
-                if pattern[i - 1 : i] in _BRACED_ESCAPES and pattern[i : i + 1] == "{":
-                    i = _skip_to(pattern, i, "}")
-            elif ch == "[":
-                i = _skip_class(pattern, i)
-            else:
-                i += 1
-            last = 1
+            frames[-1] += last
+        elif kind == "operator":
+            last = last if m.group() in "*+?" else 0
+        else:  # an escape, a class, any other single character
+            if m.group() == "[":  # a class with nested classes: the slow path
+                i = _skip_class(pattern, m.start())
             written += 1
-        frames[-1] += last
+            frames[-1] += 1
+            last = 1
     return sum(frames) - written
-
-
-def _skip_to(text: str, i: int, end: str) -> int:
-    j = text.find(end, i)
-    return len(text) if j < 0 else j + 1
 
 
 def _skip_class(text: str, i: int) -> int:
