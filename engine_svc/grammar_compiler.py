@@ -153,22 +153,20 @@ class GrammarCompiler:
         now = time.monotonic()
         out: list[tuple[Request, CompiledGrammar | RequestError]] = []
         for request_id, w in list(self._waiting.items()):
-            job = w.compile
-            if job.done_at is None and now <= self._deadline(w):
+            verdict = self._verdict(w, now)
+            if verdict is None:
                 continue
             del self._waiting[request_id]
             constraint = w.request.sampling_params.structured
             assert constraint is not None
             with self._lock:
-                self._release(constraint, job, request_id)
-                if job.done_at is not None:
-                    out.append((w.request, self._outcome(constraint, job)))
-                elif job.started_at is None:
-                    self._num_timeouts += 1
-                    out.append((w.request, _busy(constraint, self.timeout_s)))
+                self._release(constraint, w.compile, request_id)
+                if verdict == "done":
+                    out.append((w.request, self._outcome(constraint, w.compile)))
                 else:
                     self._num_timeouts += 1
-                    out.append((w.request, _too_costly(constraint, self.timeout_s)))
+                    error = _busy if verdict == "busy" else _too_costly
+                    out.append((w.request, error(constraint, self.timeout_s)))
         return out
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -188,7 +186,7 @@ class GrammarCompiler:
     def has_ready(self) -> bool:
         """Whether ready() would hand out anything now."""
         now = time.monotonic()
-        return any(w.compile.done_at is not None or now > self._deadline(w) for w in self._waiting.values())
+        return any(self._verdict(w, now) is not None for w in self._waiting.values())
 
     def seconds_to_deadline(self) -> float | None:
         """Time until the first waiting request's wait is over; None when none waits."""
@@ -226,6 +224,21 @@ class GrammarCompiler:
         ``timeout_s`` after the later of its arrival and the compile's start otherwise."""
         started_at = w.compile.started_at
         return max(w.arrived_at, started_at if started_at is not None else w.arrived_at) + self.timeout_s
+
+    def _verdict(self, w: _Waiting, now: float) -> str | None:
+        """ "done", "busy" (queued past its limit), "costly" (compiled past it), or None (wait on).
+
+        Judged from the compile's own times, not from when the engine thread looks, so a
+        busy step loop changes no outcome."""
+        job = w.compile
+        if job.started_at is None:
+            return "busy" if now > w.arrived_at + self.timeout_s else None
+        if job.started_at > w.arrived_at + self.timeout_s:
+            return "busy"
+        deadline = self._deadline(w)
+        if job.done_at is not None:
+            return "done" if job.done_at <= deadline else "costly"
+        return "costly" if now > deadline else None
 
     def _queue_refusal(self, constraint: StructuredOutput, stream: str) -> RequestError | None:
         """Under the lock: why a new compile for ``stream`` may not queue now, or None."""

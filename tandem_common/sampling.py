@@ -223,9 +223,15 @@ def _check_json_schema(text: str) -> FieldError | None:
         return FieldError("json_schema", f"is not valid JSON: {e}")
     if not isinstance(schema, dict):
         return FieldError("json_schema", f"must be a JSON object (a JSON Schema), got {_json_type(schema)}")
-    for pattern in schema_patterns(schema):
-        if (error := _check_regex("json_schema", pattern)) is not None:
-            return FieldError(error.name, error.message.replace("has counted", "has a pattern whose counted", 1))
+    # Summed over the schema's patterns: a hundred patterns at the limit cost a hundred times as much.
+    added = sum(repeated_atoms(pattern) for pattern in schema_patterns(schema))
+    if added > MAX_REPEATED_ATOMS:
+        return FieldError(
+            "json_schema",
+            f"has patterns whose counted repetitions ({{n}}, {{n,m}}) add {added} atoms once unrolled; the limit "
+            f"is {MAX_REPEATED_ATOMS} for all patterns together: use smaller counts, or * and + where the length "
+            "need not be exact",
+        )
     return None
 
 

@@ -68,7 +68,10 @@ async def test_a_regex_bomb_is_refused_up_front_naming_the_limit(stub):
     assert limit in await _refused(stub, regex="(x{1000}){999}")
     assert limit in await _refused(stub, grammar=g.Grammar(text="start: /(x{1000}){999}/"))
     details = await _refused(stub, json_schema='{"type": "string", "pattern": "^(x{1000}){999}$"}')
-    assert details.startswith("sampling_params.json_schema: has a pattern whose counted repetitions"), details
+    assert details.startswith("sampling_params.json_schema: has patterns whose counted repetitions"), details
+    many = {f"f{k}": {"type": "string", "pattern": "^(x{100}){50}$"} for k in range(3)}  # 4,999 each
+    details = await _refused(stub, json_schema=json.dumps({"type": "object", "properties": many}))
+    assert "add 14997 atoms" in details and "for all patterns together" in details, details
     # Counts that stay small pass.
     responses = await generate(stub, text="hi", params=dict(max_tokens=8, temperature=0.0, regex="(x{10}){10}"))
     assert responses[-1].finish_reason == g.FINISH_REASON_LENGTH
