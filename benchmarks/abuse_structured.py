@@ -14,13 +14,8 @@ import asyncio
 import json
 import time
 
+from benchmarks import abuse_common as a
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
-
-
-def _abuse():  # benchmarks.abuse imports this module: import it back lazily
-    from benchmarks import abuse
-
-    return abuse
 
 
 def big_schema(tag: str, num_fields: int = 1000) -> str:
@@ -29,7 +24,6 @@ def big_schema(tag: str, num_fields: int = 1000) -> str:
 
 
 async def nested_schema(pair, stub) -> str:
-    a = _abuse()
     nested = '{"a":' * 984 + "1" + "}" * 984
     attack, _ = await a.outcome(stub.Generate(a.req("x", max_tokens=4, json_schema=nested), timeout=20))
     plain, seconds = await a.outcome(stub.Generate(a.req("plain", max_tokens=4), timeout=20))
@@ -38,7 +32,6 @@ async def nested_schema(pair, stub) -> str:
 
 
 async def regex_bomb(pair, stub) -> str:
-    a = _abuse()
     victim = a.Victim(stub)
     await asyncio.sleep(3)
     t0 = time.monotonic()
@@ -56,7 +49,6 @@ async def regex_bomb(pair, stub) -> str:
 
 
 async def bomb_memory(pair, stub) -> str:
-    a = _abuse()
     rss0, t0 = a.rss_mib(pair.engine.proc.pid), time.monotonic()
     codes: dict[str, int] = {}
     for i in range(6):
@@ -68,7 +60,6 @@ async def bomb_memory(pair, stub) -> str:
 
 
 async def cancelled_compiles(pair, stub) -> str:
-    a = _abuse()
     rss0 = a.rss_mib(pair.engine.proc.pid)
     # 0.2 s apart, a compile (~0.3 s here) on each of two threads keeps up with them: 0.05 s
     # apart, their compiles queue up for ~15 s, past the 10 s limit.
