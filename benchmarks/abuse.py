@@ -15,6 +15,9 @@ before a change: compare the two outputs. Scenarios:
     hung-engine     the engine is stopped (SIGSTOP) mid-stream: seconds until the call ends
     slow-reader     the engine is killed while a slow reader's output waits: seconds to the end
     nested-schema, regex-bomb, bomb-memory, cancelled-compiles: structured output (abuse_structured.py)
+
+and those of benchmarks/abuse_frontend.py (prefix-flood, black-hole, fair-share,
+metrics-flood, chat-role, stale-ready).
 """
 
 from __future__ import annotations
@@ -27,14 +30,11 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.abuse_common import Victim, outcome, req, rss_mib
+from benchmarks.abuse_kit import BIG, SMALL_WINDOW, Victim, outcome, req, rss_mib
 from benchmarks.abuse_structured import SCENARIOS as STRUCTURED_SCENARIOS
 from tandem_protos.tandem.generate.v1 import generate_pb2_grpc
 from tests.rpc.frontend_calls import engine_load
 from tests.services import start_engine, start_frontend
-
-SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
-BIG = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class Pair:
@@ -172,6 +172,9 @@ async def run(names: list[str], model: Path, frontend_args: tuple[str, ...]) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from benchmarks.abuse_frontend import SCENARIOS as FRONTEND_SCENARIOS
+
+    SCENARIOS.update(FRONTEND_SCENARIOS)
     p = argparse.ArgumentParser(prog="benchmarks.abuse", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="repeatable; default: all")
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")

@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 
-from benchmarks import abuse_common as a
+from benchmarks import abuse_kit as a
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 
 

@@ -1,5 +1,5 @@
-"""What every abuse scenario measures with: memory of a process, a request, a victim stream,
-a call's outcome (benchmarks/abuse.py and the scenario modules beside it)."""
+"""What every abuse scenario measures with (benchmarks.abuse, benchmarks.abuse_frontend):
+process memory, a victim stream's rate and gaps, a call's final status."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from pathlib import Path
 import grpc
 
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
+
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+BIG = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 def rss_mib(pid: int) -> float:
