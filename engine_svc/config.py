@@ -47,7 +47,7 @@ class EngineConfig:
     tls_ca: str | None = None
     num_threads: int | None = None
     kernels: str = "auto"
-    quantization: str | None = None
+    quantization: str = "auto"
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
@@ -116,10 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--quantization",
         default=d.quantization,
-        choices=["int8", "int4"],
-        help="keep the linear layers' weights quantized at load and run them on the native quantized "
-        "GEMM: int8 (symmetric, groups of 32) or int4 (scale and min per group of 32); the LM head and "
-        "the embeddings keep --dtype. Needs the native kernels (default: off)",
+        choices=["auto", "none", "int8", "int4"],
+        help="auto: a GGUF file's quantized tensors stay quantized and run on the native quantized GEMM "
+        "(where the native kernels run), float checkpoints stay float; none: GGUF weights dequantized to "
+        "--dtype at load; int8 / int4: every linear layer but the LM head quantized at load (int8 "
+        "symmetric, int4 with a min, groups of 32; needs the native kernels)",
     )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
 
