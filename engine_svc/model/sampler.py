@@ -156,13 +156,14 @@ class Sampler:
         rows = self._tensor(penalised)
         prompt_mask, output_counts = self.state.penalty_counts(reqs)  # [P, vocab] bool, float32
         sub = x[rows]  # [P, vocab]
+        in_output = output_counts > 0  # [P, vocab]
         if any(p.repetition_penalty != 1.0 for p in params):
             penalty = self._column([p.repetition_penalty for p in params])  # [P, 1]
-            sub = stages.repetition_penalty(sub, prompt_mask | (output_counts > 0), penalty)
+            sub = stages.repetition_penalty(sub, prompt_mask | in_output, penalty)
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             frequency = self._column([p.frequency_penalty for p in params])  # [P, 1]
             presence = self._column([p.presence_penalty for p in params])  # [P, 1]
-            sub = stages.frequency_presence_penalties(sub, output_counts, frequency, presence)
+            sub = stages.frequency_presence_penalties(sub, output_counts, in_output, frequency, presence)
         x[rows] = sub
 
     # --------------------------------------------------------------------- sampling

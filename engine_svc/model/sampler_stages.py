@@ -47,11 +47,16 @@ def repetition_penalty(x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tenso
 
 
 def frequency_presence_penalties(
-    x: torch.Tensor, output_counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
+    x: torch.Tensor,
+    output_counts: torch.Tensor,
+    in_output: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
 ) -> torch.Tensor:
     """OpenAI's rule on ``x`` [P, vocab], over output tokens only: minus frequency x count,
-    minus presence once a token has appeared. ``frequency`` and ``presence`` [P, 1]."""
-    return x - frequency * output_counts - presence * (output_counts > 0)
+    minus presence once a token has appeared. ``output_counts`` [P, vocab] float32,
+    ``in_output`` [P, vocab] bool (count > 0), ``frequency`` and ``presence`` [P, 1]."""
+    return x - frequency * output_counts - presence * in_output
 
 
 def top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k_max: int | None) -> torch.Tensor:
