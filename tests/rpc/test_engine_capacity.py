@@ -49,7 +49,8 @@ async def test_a_request_that_can_never_fit_is_refused_before_any_token(small_po
 
 
 def test_the_default_pool_is_sized_from_the_model(demo_model_dir):
-    engine = start_engine(demo_model_dir, "--max-num-seqs", "4", "--max-model-len", "100000")
+    # float32 pins the block size in bytes: "auto" picks bfloat16 on CPUs with AVX512-BF16.
+    engine = start_engine(demo_model_dir, "--max-num-seqs", "4", "--max-model-len", "100000", "--dtype", "float32")
     try:
         engine.wait_serving()
         with grpc.insecure_channel(engine.address) as channel:
