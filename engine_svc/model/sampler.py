@@ -122,7 +122,8 @@ class Sampler:
 
     def _logit_bias_entries(self, requests: Sequence[RequestView]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(flat cells, values) of every row's logit_bias, or None; a cell is row * vocab + token id."""
-        cells, values = [], []
+        cells: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for i, r in enumerate(requests):
             if not r.sampling_params.logit_bias:
                 continue
@@ -141,7 +142,7 @@ class Sampler:
         Constrained rows are left to the grammar stage, which holds these tokens back only
         where the grammar allows something else.
         """
-        cells = []
+        cells: list[torch.Tensor] = []
         for i, r in enumerate(requests):
             if r.num_output_tokens < r.sampling_params.min_tokens and r.grammar is None:
                 cols = self.state.request_tensors(r).min_tokens_cols
