@@ -275,8 +275,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            # Admission made sure the request fits the pool alone, so this ends at the latest
-            # when every other running request is preempted.
+            # Admission made sure the request fits the pool alone, so preempting the others
+            # always makes room, unless the request is itself the victim first.
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = max(reversed(self.running), key=self.waiting.victim_key)
                 self._preempt(victim)
