@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_svc.types import FinishReason, Logprob, RequestError, RequestView
+from engine_svc.types import Logprob, RequestError, RequestView
+from tandem_common.outputs import EngineOutput as EngineOutput  # the per-request output both services share
 
 
 @dataclass
@@ -69,25 +70,6 @@ class ModelRunnerOutput:
     # Requests the runner could not serve (an output constraint that failed mid-way): the
     # scheduler finishes them with this error instead of keeping a token.
     errors: dict[str, RequestError] = field(default_factory=dict)
-
-
-@dataclass
-class EngineOutput:
-    """What one request produced in one step; the servicer turns it into protobuf."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprob] = field(default_factory=list)
-    prompt_logprobs: list[Logprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: RequestError | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)

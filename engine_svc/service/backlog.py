@@ -27,7 +27,6 @@ however long, always fits a message of 64 KiB or more.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -182,14 +181,9 @@ class StreamBacklog:
             self._sizes[request_id] = size
             return
         if request_id not in self._merged:  # never change an output the engine handed over
-            held = self._pending[request_id] = _copy(held)
+            held = self._pending[request_id] = held.copy()
             self._merged.add(request_id)
-        held.new_token_ids.extend(out.new_token_ids)
-        held.logprobs.extend(out.logprobs)
-        held.prompt_logprobs.extend(out.prompt_logprobs)
-        held.num_cached_tokens = max(held.num_cached_tokens, out.num_cached_tokens)
-        if out.finished:
-            held.finish_reason, held.stop_token_id, held.error = out.finish_reason, out.stop_token_id, out.error
+        held.merge(out)
         self._sizes[request_id] += size - _head_bytes(request_id)  # one head for the merged output
 
     # -- the reader ----------------------------------------------------------------------
@@ -252,28 +246,10 @@ class StreamBacklog:
                 num_tokens += 1
         if num_prompt == 0 and num_tokens == 0:
             return None
-        head = EngineOutput(
-            request_id,
-            new_token_ids=out.new_token_ids[:num_tokens],
-            logprobs=out.logprobs[:num_tokens],
-            prompt_logprobs=out.prompt_logprobs[:num_prompt],
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-        )
-        tail = _copy(out)
-        del tail.new_token_ids[:num_tokens], tail.logprobs[:num_tokens], tail.prompt_logprobs[:num_prompt]
+        head, tail = out.split_at(num_prompt, num_tokens)
         self._pending[request_id] = tail
         self._merged.add(request_id)
         old_size = self._sizes[request_id]
         self._sizes[request_id] = output_bytes(tail)
         self._bytes -= old_size - self._sizes[request_id]
         return head
-
-
-def _copy(out: EngineOutput) -> EngineOutput:
-    return dataclasses.replace(
-        out,
-        new_token_ids=list(out.new_token_ids),
-        logprobs=list(out.logprobs),
-        prompt_logprobs=list(out.prompt_logprobs),
-    )

@@ -32,23 +32,12 @@ from engine_svc.service.engine_loop import AddCommand, EngineLoop
 from engine_svc.types import DEFAULT_MAX_TOKENS, ErrorCode, FinishReason, Logprob, SamplingParams
 from tandem_common.kv_events import BlocksRemoved, BlocksStored, KvEvent
 from tandem_common.sampling import StructuredOutput
+from tandem_common.tokenizer_files import SERVED_TOKENIZER_FILE_NAMES
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "generation_config.json",
-)
 TOKENIZER_CHUNK_BYTES = 1 << 20
 _CHUNK_HEADROOM_BYTES = 4096  # file name, offsets, size and sha256 around a chunk's data
 
@@ -375,7 +364,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetTokenizer(self, request, context):
         await self._require_engine(context)
-        files = [self.model_dir / name for name in TOKENIZER_FILES if (self.model_dir / name).is_file()]
+        files = [self.model_dir / name for name in SERVED_TOKENIZER_FILE_NAMES if (self.model_dir / name).is_file()]
         if not files:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no tokenizer files in {self.model_dir.name}")
         for path in files:

@@ -47,7 +47,7 @@ from frontend_svc.engine.channel import (
 )
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.prefix_index import PrefixIndex
-from frontend_svc.engine.types import (
+from frontend_svc.types import (
     EngineLoad,
     EngineRequestTooLargeError,
     EngineUnavailableError,
@@ -280,6 +280,14 @@ class EngineClient:
             elif not pending.cancelled():
                 pending.exception()  # retrieved: the session's end reports it, not asyncio
 
+    def _wake(self, handle: RequestHandle) -> None:
+        """Wakes ``handle``'s reader: at once with a fixed stream interval, else once the
+        stream's messages that are already here are read (adaptive coalescing, see _read)."""
+        if handle.stream_interval:
+            handle.wakeup.set()
+        else:
+            self.wake_soon(handle.wakeup)
+
     def wake_soon(self, wakeup: asyncio.Event) -> None:
         """Sets ``wakeup`` once the stream's messages that are already here are read."""
         self._wake_soon[wakeup] = None
@@ -362,7 +370,8 @@ class EngineClient:
             out = convert.engine_output(o)
             if out.finished:
                 del self._requests[o.request_id]
-            handle.deliver(out)
+            if handle.deliver(out):
+                self._wake(handle)
 
     def _started(self, request_id: str) -> None:
         self._unstarted_tokens -= self._unstarted.pop(request_id, 0)
@@ -413,7 +422,7 @@ class EngineClient:
                 "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
                 "logit_bias entries or stop token ids"
             )
-        handle = RequestHandle(request_id, self, wakeup, stream_interval)
+        handle = RequestHandle(request_id, wakeup, stream_interval)
         self._requests[request_id] = handle
         self._outbox.put_nowait(message)
         self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens

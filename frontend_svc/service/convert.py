@@ -13,9 +13,9 @@ its documented default, never zero.
 
 from __future__ import annotations
 
-from frontend_svc.engine.types import ModelInfo
 from frontend_svc.service.planning import Chat, GenerateInput, RequestSizes
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
+from frontend_svc.types import ModelInfo
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
 from tandem_common.types import FinishReason
 from tandem_protos.tandem.generate.v1 import generate_pb2
@@ -137,6 +137,7 @@ def generate_response(piece: ChoiceOutput, return_token_ids: bool) -> generate_p
             response.stop_str = piece.stop_str
         elif piece.stop_token_id is not None:
             response.stop_token_id = piece.stop_token_id
+    if piece.usage is not None:  # set on every finished piece
         u = piece.usage
         response.usage.CopyFrom(
             generate_pb2.Usage(

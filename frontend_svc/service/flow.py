@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 
-from frontend_svc.service.planning import RequestError
+from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,9 @@ class InFlightCalls:
         return len(self._calls)
 
     def enter(self) -> Call:
-        """Admits a call, or raises RequestError(RESOURCE_EXHAUSTED) when the limit is reached."""
+        """Admits a call, or raises CallError(RESOURCE_EXHAUSTED) when the limit is reached."""
         if self.max_calls and len(self._calls) >= self.max_calls:
-            raise RequestError(
+            raise CallError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"this frontend is serving its limit of {self.max_calls} concurrent Generate calls "
                 "(--max-concurrent-calls); retry later or on another frontend replica",

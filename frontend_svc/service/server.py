@@ -160,7 +160,7 @@ class FrontendServer:
         )
         await self._set_health(False)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
+        if cfg.tls_cert and cfg.tls_key:  # the config holds both or neither
             creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
             self.port = self.server.add_secure_port(address, creds)
         else:

@@ -36,20 +36,12 @@ import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
+from tandem_common.tokenizer_files import TOKENIZER_FILE_NAMES
+
 # From this many characters (or ids) on, encode and decode go through the batch calls of
 # `tokenizers`, which release the GIL (the single calls hold it): a long input tokenized
 # on a worker thread then leaves the event loop free. Shorter ones keep the cheaper call.
 _LONG_INPUT = 4096
-
-# The files a frontend needs; the engine hands out whichever of these it has.
-TOKENIZER_FILE_NAMES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 
 class Tokenizer:
