@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from tandem_common.flags import LOG_LEVELS, HelpFormatter, int_in, message_bytes, metrics_port, port, seconds
+from tandem_common.flags import (
+    HelpFormatter,
+    add_observability_flags,
+    add_server_tls_flags,
+    int_in,
+    message_bytes,
+    port,
+    seconds,
+)
 
 
 @dataclass
@@ -39,6 +47,7 @@ class EngineConfig:
     tls_ca: str | None = None
     num_threads: int | None = None
     kernels: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
@@ -102,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         "compiler once; AVX2 or better) run the matmuls, norms, RoPE and attention, and each step's "
         "thread count is picked by timing; without them, weights packed for oneDNN; "
         "torch: plain torch ops everywhere (the reference path)",
+    )
+    m.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["int8", "int4"],
+        help="keep the linear layers' weights quantized at load and run them on the native quantized "
+        "GEMM: int8 (symmetric, groups of 32) or int4 (scale and min per group of 32); the LM head and "
+        "the embeddings keep --dtype. Needs the native kernels (default: off)",
     )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
 
@@ -198,26 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.shutdown_timeout,
         help="seconds running requests may take to finish after SIGTERM",
     )
-    n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
-    n.add_argument("--tls-key", default=None, help="server private key (PEM)")
-    n.add_argument("--tls-ca", default=None, help="CA (PEM) that client certificates must chain to (mutual TLS)")
+    add_server_tls_flags(n, client_ca=True)
 
-    o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument(
-        "--metrics-host",
-        default=None,
-        help="address the metrics endpoint listens on (default: the same as --host)",
-    )
-    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
-    o.add_argument(
-        "--log-format", default=d.log_format, choices=["text", "json"], help="text lines, or one JSON object per line"
-    )
-    o.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
-        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
-        "tracing is off when none is set",
-    )
+    add_observability_flags(p, log_level=d.log_level, log_format=d.log_format)
     return p

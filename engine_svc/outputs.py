@@ -3,6 +3,7 @@
     scheduler.schedule() -> SchedulerOutput -> model_runner.execute() -> ModelRunnerOutput
     -> scheduler.update_from_output() -> list[EngineOutput] (what the servicer streams)
     EngineCore.make_stats() -> EngineStats (one snapshot per loop turn, for other threads)
+    EngineCore.model_info() -> ModelInfo (what the model and its KV cache are, once loaded)
 
 No torch here: the scheduler and the servicer import this module.
 """
@@ -124,3 +125,23 @@ class EngineStats:
     draining: bool = False
     step: StepStats | None = None  # None when the turn ran no step
     structured: StructuredStats = StructuredStats()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model and its KV cache as clients see them; fixed once the core is built."""
+
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: str  # what --dtype auto resolved to, e.g. "bfloat16"
+    device: str
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size

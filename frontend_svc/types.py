@@ -66,6 +66,7 @@ class ModelInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 0  # KV blocks in the engine's pool; 0 from an engine that names none
     block_hash_algorithm: str = ""  # "" from an engine that names none: no prefix predictions
 
 

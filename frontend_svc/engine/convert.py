@@ -171,5 +171,6 @@ def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         eos_token_ids=list(info.eos_token_ids),
         bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
         block_size=info.block_size or 16,
+        num_kv_blocks=info.num_kv_blocks,
         block_hash_algorithm=info.block_hash_algorithm,
     )

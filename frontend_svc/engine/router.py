@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from frontend_svc.engine.client import DEFAULT_STALL_TIMEOUT_S, EngineClient
+from frontend_svc.engine.client import DEFAULT_PROGRESS_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, EngineClient
 from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.routing import (
     DEFAULT_LOAD_THRESHOLD_TOKENS,
@@ -92,6 +92,7 @@ class EngineRouter:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
         policy: RoutingPolicy = RoutingPolicy.LEAST_LOAD,
         load_threshold_tokens: int = DEFAULT_LOAD_THRESHOLD_TOKENS,
     ) -> None:
@@ -101,6 +102,7 @@ class EngineRouter:
         self._credentials = credentials
         self._max_message_bytes = max_message_bytes
         self._stall_timeout_s = stall_timeout_s
+        self._progress_timeout_s = progress_timeout_s
         self.identity: ModelIdentity | None = None  # of the first engine accepted
         self.policy = policy
         self.load_threshold_tokens = load_threshold_tokens
@@ -244,6 +246,7 @@ class EngineRouter:
             tls_server_name=tls_server_name,
             max_message_bytes=self._max_message_bytes,
             stall_timeout_s=self._stall_timeout_s,
+            progress_timeout_s=self._progress_timeout_s,
             accept=self._accept,
             on_change=self._changed,
             index=self.index,

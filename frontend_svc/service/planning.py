@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from frontend_svc.text.chat_roles import check_roles
 from frontend_svc.text.output_processor import TextParams
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.types import CallError, ModelInfo
@@ -255,6 +256,9 @@ def render_chat(chat: Chat, tokenizer: Tokenizer, max_model_len: int | None) -> 
         raise invalid("messages", "the model has no chat template; send text or token_ids instead")
     if not chat.messages:
         raise invalid("messages.messages", "the conversation has no messages")
+    bad_role = check_roles(chat.messages, tokenizer.special_tokens)
+    if bad_role is not None:
+        raise invalid(f"messages.messages[{bad_role[0]}].role", bad_role[1])
     try:
         text = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt)
     except ValueError as e:

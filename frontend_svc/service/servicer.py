@@ -104,7 +104,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         code, message = grpc.StatusCode.CANCELLED, ""
         call: Call | None = None
         try:
-            call = self.calls.enter()
+            call = self.calls.enter(context)
             tokenizer, info = self._ready()
             check_sizes(convert.request_sizes(request), self.limits, info)
             plan = await self._off_loop(request, self._plan, request, tokenizer, info)

@@ -81,9 +81,9 @@ class Tokenizer:
 
         # "Special" as `tokenizers` means it: added tokens flagged special, which are the
         # ones decode(skip_special_tokens=True) drops.
-        self.all_special_ids: frozenset[int] = frozenset(
-            i for i, t in backend.get_added_tokens_decoder().items() if t.special
-        )
+        added = backend.get_added_tokens_decoder()
+        self.all_special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.special_tokens: frozenset[str] = frozenset(t.content for t in added.values() if t.special)
         self.byte_fallback_bytes: dict[int, int] = _byte_fallback_bytes(backend)
 
         # Explicit add_bos_token/add_eos_token win over the post-processor, as in
