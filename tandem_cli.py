@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tandem_common.flags import int_in
 from tandem_common.parent_death import die_with_parent
-from tandem_common.ready import wait_ready_file
+from tandem_common.ready import read_ready_file, wait_ready_file
 
 TAIL_LINES = 20  # of a child's log, kept to show when it dies
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -175,6 +175,8 @@ class Pair:
         ]
         if getattr(args, "workers", 1) > 1:
             frontend_argv += ["--workers", str(args.workers)]
+        if getattr(args, "http_port", None) is not None:
+            frontend_argv += ["--http-port", str(args.http_port)]
         self.frontend = Service("frontend", frontend_argv + _split(args.frontend_arg), self.echo)
         self.frontend.wait("listening", 120, self.check)
 
@@ -276,10 +278,13 @@ def cmd_serve(args) -> int:
         assert pair.engine is not None and pair.frontend is not None
         pair.wait_serving()
         address = f"{args.host}:{pair.frontend.port}"
+        http_port = (read_ready_file(pair.frontend.ready_file) or {}).get("http_port")
         print(
             f"Tandem is serving on {address} (engine on {args.host}:{pair.engine.port}); Ctrl-C stops both.",
             flush=True,
         )
+        if http_port is not None:
+            print(f"OpenAI-compatible HTTP API on http://{args.host}:{http_port}/v1", flush=True)
         print(
             f'Try: grpcurl -plaintext -d \'{{"text": "Hello"}}\' {address} tandem.generate.v1.GenerateService/Generate',
             flush=True,
@@ -352,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     pair_options(serve)
     serve.add_argument("--port", type=int, default=50050, help="frontend port (the public API)")
     serve.add_argument("--engine-port", type=int, default=50051, help="engine port")
+    serve.add_argument(
+        "--http-port",
+        type=int_in(0),
+        default=8000,
+        help="the frontend's OpenAI-compatible HTTP port (the frontend's --http-port; 0 picks a free one)",
+    )
     serve.add_argument(
         "--workers",
         type=int_in(1),

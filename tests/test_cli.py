@@ -128,7 +128,7 @@ def _broken_model(demo_model_dir: Path, tmp_path: Path) -> Path:
 
 def test_a_model_that_fails_to_load_ends_serve_at_once_with_the_reason(demo_model_dir, tmp_path):
     model = _broken_model(demo_model_dir, tmp_path)
-    cli = Cli("serve", "--model", str(model), "--port", "0", "--engine-port", "0")
+    cli = Cli("serve", "--model", str(model), "--port", "0", "--engine-port", "0", "--http-port", "0")
     try:
         assert cli.wait_exit(90) == 1  # it used to wait 300 s for a frontend that never serves
         err = "".join(cli.stderr)
@@ -163,9 +163,10 @@ def test_a_signal_to_try_stops_both_services(demo_model_dir, sig, code):
 
 
 def test_serve_notices_a_dead_engine_at_once(demo_model_dir):
-    cli = Cli("serve", "--model", str(demo_model_dir), "--port", "0", "--engine-port", "0")
+    cli = Cli("serve", "--model", str(demo_model_dir), "--port", "0", "--engine-port", "0", "--http-port", "0")
     try:
         cli.wait_for(lambda: any("Tandem is serving" in line for line in cli.stdout), 120, "never served")
+        cli.wait_for(lambda: any("HTTP API on http://" in line for line in cli.stdout), 10, "no HTTP address")
         engine = next(pid for pid, c in cli.watch_children().items() if "engine_svc" in c)
         os.kill(engine, signal.SIGKILL)
         assert cli.wait_exit(30) == 1
