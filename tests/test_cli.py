@@ -43,7 +43,10 @@ class Cli:
 
     def watch_children(self) -> dict[int, str]:
         for pid, cmdline in _children_of(self.proc.pid).items():
-            self.children.setdefault(pid, cmdline)
+            # The newest non-empty command line: a child seen between fork and exec still
+            # shows this CLI's, and a zombie's is empty.
+            if cmdline or pid not in self.children:
+                self.children[pid] = cmdline
         return self.children
 
     def wait_for(self, condition, timeout: float, what: str) -> None:
@@ -182,3 +185,14 @@ def test_pass_through_arguments_take_every_form():
     assert tandem_cli._split(args.engine_arg) == ["--max-num-seqs=4", "--block-size=32"]
     assert tandem_cli._split(args.frontend_arg) == ["--max-n", "2"]
     assert args.prompt == "Once upon a time"  # the value after --engine-arg is not the prompt
+
+
+@pytest.mark.parametrize("mode, head", [((), "user: Hi\nassistant: "), (("--raw",), "Hi")])
+def test_try_sends_a_chat_turn_where_the_model_has_a_template_and_raw_text_on_request(demo_model_dir, mode, head):
+    cli = Cli("try", "--model", str(demo_model_dir), "--max-tokens", "4", *mode, "Hi")
+    try:
+        assert cli.wait_exit(180) == 0, "".join(cli.stderr)
+        out = "".join(cli.stdout)
+        assert out.startswith(head) and "4 generated tokens]" in out, out
+    finally:
+        cli.cleanup()

@@ -19,12 +19,27 @@ def _through_a_local_import() -> None:
     start("127.0.0.1:1")
 
 
+def _through_a_starter() -> None:
+    from engine_svc.demo_checkpoint import fetch_demo_gguf
+
+    fetch_demo_gguf()
+
+
 def _through_a_lambda() -> None:
     list(map(lambda address: start_frontend(address), []))
 
 
 @pytest.mark.parametrize(
-    "helper", [ServiceProcess, start_engine, start_frontend, running_pair, _through_a_local_import, _through_a_lambda]
+    "helper",
+    [
+        ServiceProcess,
+        start_engine,
+        start_frontend,
+        running_pair,
+        _through_a_local_import,
+        _through_a_lambda,
+        _through_a_starter,
+    ],
 )
 def test_helpers_that_start_processes_are_found(helper):
     assert ProcessWalk().starts_processes(helper)
