@@ -231,8 +231,12 @@ def test_gemm_reads_strided_rows(kernels):
     _close(kernels.gemm(x, kernels.pack(w, None, torch.float32)), F.linear(x, w), torch.float32)
 
 
+# Beyond GEMM_CASES: K of 1, odd K over several slices, several row blocks.
+DOT_CASES = [*GEMM_CASES, (3, 1, 5, False, False), (13, 301, 40, True, True), (150, 1537, 40, True, True)]
+
+
 @pytest.mark.skipif("avx512_bf16" not in RUNNABLE, reason="this CPU has no AVX512-BF16")
-@pytest.mark.parametrize("rows,k,n,bias,silu_mul", [*GEMM_CASES, (3, 1, 5, False, False), (13, 301, 40, True, True)])
+@pytest.mark.parametrize("rows,k,n,bias,silu_mul", DOT_CASES)
 def test_bf16_dot_products_give_the_float32_multiply_adds_bits(build_dir, rows, k, n, bias, silu_mul):
     """VDPBF16PS adds a pair's products in k order, each sum rounded: the same bits as the
     float32 multiply-adds of the AVX512 build (odd K too: padded with a zero pair element)."""
