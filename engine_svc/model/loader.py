@@ -10,7 +10,15 @@ q/k/v and gate/up are concatenated into the fused projections::
     model.layers.{i}.mlp.down_proj.*             -> layers.{i}.mlp.down_proj.*
     model.layers.{i}.input_layernorm.weight      -> layers.{i}.input_norm.weight
     model.layers.{i}.post_attention_layernorm.*  -> layers.{i}.post_attn_norm.weight
+    model.layers.{i}.self_attn.{q,k}_norm.weight -> layers.{i}.attn.{q,k}_norm.weight  (Qwen3)
     model.embed_tokens.weight / model.norm.weight / lm_head.weight   (lm_head absent when tied)
+
+Mixture-of-experts layers (Mixtral's ``block_sparse_moe``, Qwen3-MoE's ``mlp``) stack their
+experts, each expert's gate and up concatenated as for the dense MLP::
+
+    ...{block_sparse_moe,mlp}.gate.weight                       -> layers.{i}.mlp.router.weight
+    ...experts.{e}.{w1,gate_proj} / {w3,up_proj} -> layers.{i}.mlp.gate_up_experts [E, 2 * I, H]
+    ...experts.{e}.{w2,down_proj}                -> layers.{i}.mlp.down_experts    [E, H, I]
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine_svc.model.llama import ModelArgs, Transformer, rope_inv_freq
+from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.native.cpu import cpu_features
+from engine_svc.model.rope import rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +45,20 @@ _RENAMES = {
     "mlp.down_proj": "mlp.down_proj",
     "input_layernorm": "input_norm",
     "post_attention_layernorm": "post_attn_norm",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "block_sparse_moe.gate": "mlp.router",
+    "mlp.gate": "mlp.router",
+}
+_EXPERT_RE = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)")
+# Expert projection -> (stacked parameter, part within the expert: gate 0, up 1).
+_EXPERT_PARTS = {
+    "w1": ("gate_up_experts", 0),
+    "gate_proj": ("gate_up_experts", 0),
+    "w3": ("gate_up_experts", 1),
+    "up_proj": ("gate_up_experts", 1),
+    "w2": ("down_experts", 0),
+    "down_proj": ("down_experts", 0),
 }
 # Parts of a fused projection, in concatenation order.
 _FUSED = {
@@ -129,8 +152,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
 
 
-def _our_name(hf_name: str) -> tuple[str, int | None] | None:
-    """(our parameter name, part index for fused weights) or None for names we skip."""
+def _our_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None] | None:
+    """(our parameter name, part index for fused weights or (expert, part) for stacked
+    experts) or None for names we skip."""
     if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         return hf_name.removeprefix("model."), None
     m = _LAYER_RE.fullmatch(hf_name)
@@ -138,12 +162,27 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
         return None
     layer, rest = m.groups()
     module, _, suffix = rest.rpartition(".")  # suffix: weight | bias
+    expert = _EXPERT_RE.fullmatch(module)
+    if expert is not None and suffix == "weight":
+        stacked, part = _EXPERT_PARTS[expert.group(2)]
+        return f"layers.{layer}.mlp.{stacked}", (int(expert.group(1)), part)
     if module in _FUSED:
         fused, part = _FUSED[module]
         return f"layers.{layer}.{fused}.{suffix}", part
     if module in _RENAMES:
         return f"layers.{layer}.{_RENAMES[module]}.{suffix}", None
     return None
+
+
+def _stack_experts(
+    model_dir: Path, name: str, pieces: dict[tuple[int, int], torch.Tensor], num_experts: int
+) -> torch.Tensor:
+    """[num_experts, out, in]: each expert's parts (gate, up) concatenated, experts stacked."""
+    num_parts = 2 if name.endswith("gate_up_experts") else 1
+    missing = [key for key in ((e, p) for e in range(num_experts) for p in range(num_parts)) if key not in pieces]
+    if missing or len(pieces) != num_experts * num_parts:
+        raise ValueError(f"{model_dir}: {name} needs {num_experts} experts x {num_parts} parts, got {sorted(pieces)}")
+    return torch.stack([torch.cat([pieces[e, p] for p in range(num_parts)], dim=0) for e in range(num_experts)])
 
 
 def load_model(
@@ -156,6 +195,7 @@ def load_model(
 
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
@@ -168,6 +208,8 @@ def load_model(
                 tensor = f.get_tensor(hf_name).to(dtype)
                 if part is None:
                     state[name] = tensor
+                elif isinstance(part, tuple):
+                    experts.setdefault(name, {})[part] = tensor
                 else:
                     parts.setdefault(name, {})[part] = tensor
     for name, pieces in parts.items():
@@ -175,6 +217,8 @@ def load_model(
         if len(pieces) != expected:
             raise ValueError(f"{model_dir}: incomplete weights for {name} ({len(pieces)} of {expected} parts)")
         state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
+    for name, expert_pieces in experts.items():
+        state[name] = _stack_experts(model_dir, name, expert_pieces, args.num_experts)
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
