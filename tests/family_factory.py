@@ -67,6 +67,52 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
             mlp_only_layers=[0],
         ),
     ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=32,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=WINDOW,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+    # Phi-3 mini 128k's shape of RoPE: LongRoPE, contexts within the original length.
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            max_position_embeddings=1024,
+            original_max_position_embeddings=256,
+            sliding_window=WINDOW,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0],
+            },
+        ),
+    ),
+    # Phi-4-mini's: a quarter of each head passes RoPE by (partial_rotary_factor 0.75).
+    "phi4_mini": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        dict(
+            max_position_embeddings=1024,
+            original_max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            },
+        ),
+    ),
 }
 
 

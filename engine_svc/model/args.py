@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_svc.model.families import family_options
+from engine_svc.model.rope_config import rope_config
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # config.json's hidden_act -> the gated MLP's activation (layers.py ACTIVATIONS).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -45,6 +45,15 @@ class ModelArgs:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP
+    # Gemma 3: every norm scales by (norm_offset + w); embeddings scaled by embed_scale; norms
+    # on the attention and MLP outputs too (sandwich_norms); sliding layers with their own theta.
+    norm_offset: float = 0.0
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    sliding_rope_theta: float | None = None  # None: sliding layers rotate as the full ones do
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim of each head (Phi-4-mini: 0.75)
 
     def __post_init__(self) -> None:
         if not self.sliding_windows:
@@ -85,8 +94,17 @@ class ModelArgs:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             hidden_act=config.get("hidden_act") or config.get("hidden_activation") or "silu",
+            partial_rotary_factor=float(
+                (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+                or config.get("partial_rotary_factor")
+                or 1.0
+            ),
         )
         return cls(**(base | family_options(config)))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def sliding_window(self) -> int | None:
@@ -94,23 +112,16 @@ class ModelArgs:
         return next((w for w in self.sliding_windows if w is not None), None)
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """Every context up to ``max_model_len`` is computed as the model defines it: sliding
-        windows are applied per layer, so no length is refused here."""
+        """Refuse a context the model would compute differently than we do. Sliding windows
+        are applied per layer; LongRoPE is not: transformers switches a sequence from
+        ``short_factor`` to ``long_factor`` once it outgrows the original context, which
+        would leave the cached keys of a longer request rotated by the other factors."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-
-
-def rope_config(config: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from either ``rope_parameters`` (5.x) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise NotImplementedError(
-            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return theta, None
-    params["rope_type"] = rope_type
-    params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
-    return theta, params
+        scaling = self.rope_scaling or {}
+        original = scaling.get("original_max_position_embeddings") or max_model_len
+        if scaling.get("rope_type") == "longrope" and max_model_len > original:
+            raise ValueError(
+                f"rope_scaling longrope: contexts past original_max_position_embeddings ({original}) "
+                f"switch to long_factor mid-request, which is not implemented; set max_model_len <= {original}"
+            )

@@ -10,6 +10,12 @@ entry maps its config fields onto them:
     Qwen3ForCausalLM      attention_bias  yes       dense                  layer_types / use_sliding_window
     MixtralForCausalLM    -               -         experts, renormalised  every layer
     Qwen3MoeForCausalLM   attention_bias  yes       experts (norm_topk_prob), dense on mlp_only_layers
+    Gemma3ForCausalLM     attention_bias  yes       dense, GeGLU (tanh)    layer_types, own RoPE theta
+    Phi3ForCausalLM       -               -         dense (fused gate_up)  every layer
+                          (Phi-3 and Phi-4: fused qkv in the checkpoint, LongRoPE, partial rotary)
+
+Gemma 3 (text) also scales embeddings by sqrt(hidden), norms by ``1 + w``, norms the
+attention and MLP outputs (sandwich norms), and scales queries by query_pre_attn_scalar.
 
 An architecture not listed is refused, naming the ``architectures`` field and what is
 supported.
@@ -18,6 +24,8 @@ supported.
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from engine_svc.model.rope_config import rope_config
 
 Options = dict[str, object]
 
@@ -83,6 +91,37 @@ def _qwen3_moe(config: dict) -> Options:
     )
 
 
+def _gemma3(config: dict) -> Options:
+    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if config.get(name):
+            raise ValueError(f"{name} = {config[name]!r} is not supported")
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        rope_theta, rope_scaling = rope_config(config, rope["full_attention"])
+        sliding_theta, sliding_scaling = rope_config(config, rope.get("sliding_attention", {}))
+        if sliding_scaling is not None:
+            raise ValueError("rope_parameters.sliding_attention: only the default rope type is supported")
+    else:  # 4.x: rope_theta / rope_scaling for full layers, rope_local_base_freq for sliding ones
+        rope_theta, rope_scaling = rope_config(config)
+        sliding_theta = float(config.get("rope_local_base_freq", 10000.0))
+    bias = bool(config.get("attention_bias", False))
+    return dict(
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        norm_offset=1.0,
+        embed_scale=config["hidden_size"] ** 0.5,
+        sandwich_norms=True,
+        attn_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        sliding_rope_theta=sliding_theta,
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        sliding_windows=_layer_windows(config, needs_flag=False),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+    )
+
+
 FAMILIES: dict[str, Callable[[dict], Options]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
@@ -90,6 +129,8 @@ FAMILIES: dict[str, Callable[[dict], Options]] = {
     "Qwen3ForCausalLM": _qwen3,
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "Gemma3ForCausalLM": _gemma3,
+    "Phi3ForCausalLM": _mistral,  # same options; the loader keeps the checkpoint's fused projections
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPE_TO_ARCH = {
@@ -99,6 +140,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

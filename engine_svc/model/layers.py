@@ -54,7 +54,7 @@ class Attention(nn.Module):
         self.num_heads = args.num_heads
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
-        self.scale = args.head_dim**-0.5
+        self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self.sliding_window = args.sliding_windows[layer]  # None = full attention
         qkv_out = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, qkv_out, bias=args.qkv_bias)
@@ -62,8 +62,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, args.norm_offset)
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, nh, hd], k [num_tokens, nkv, hd], each normed over hd."""

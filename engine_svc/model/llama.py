@@ -33,10 +33,19 @@ __all__ = ["DecoderLayer", "ModelArgs", "Transformer"]
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        eps, offset = args.rms_norm_eps, args.norm_offset
+        self.sliding = args.sliding_windows[layer] is not None
+        self.input_norm = RMSNorm(args.hidden_size, eps, offset)
         self.attn = Attention(args, layer)
-        self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(args.hidden_size, eps, offset)
         self.mlp: nn.Module = SparseMoE(args) if args.moe_layers[layer] else MLP(args)
+        # Sandwich norms (Gemma 3): post_attn_norm norms the attention output alone, then
+        # pre_ff_norm adds it to the stream and norms that; post_ff_norm norms the MLP output.
+        self.pre_ff_norm: RMSNorm | None = None
+        self.post_ff_norm: RMSNorm | None = None
+        if args.sandwich_norms:
+            self.pre_ff_norm = RMSNorm(args.hidden_size, eps, offset)
+            self.post_ff_norm = RMSNorm(args.hidden_size, eps, offset)
 
     def forward(
         self,
@@ -49,8 +58,12 @@ class DecoderLayer(nn.Module):
         """x: the previous sublayer's output; residual: the stream it adds to (None before the
         first layer, where x is the embedding). Returns (this layer's MLP output, stream)."""
         h, residual = self.input_norm(x, residual)
-        h, residual = self.post_attn_norm(self.attn(h, rope, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        if self.pre_ff_norm is None or self.post_ff_norm is None:
+            h, residual = self.post_attn_norm(self.attn(h, rope, kv_cache, meta), residual)
+            return self.mlp(h), residual
+        h = self.post_attn_norm(self.attn(h, rope, kv_cache, meta))[0]
+        h, residual = self.pre_ff_norm(h, residual)
+        return self.post_ff_norm(self.mlp(h))[0], residual
 
 
 class Transformer(nn.Module):
@@ -70,9 +83,13 @@ class Transformer(nn.Module):
             args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rotary: nn.Module = RotaryEmbedding(args.head_dim)  # makes each step's StepRope
+        self.rotary: nn.Module = RotaryEmbedding(args.rotary_dim)  # makes each step's StepRope
+        # The sliding-window layers' own RoPE (Gemma 3's local theta); None: they share ``rotary``.
+        self.sliding_rotary: nn.Module | None = None
+        if args.sliding_rope_theta is not None:
+            self.sliding_rotary = RotaryEmbedding(args.rotary_dim)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
@@ -82,12 +99,20 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if self.args.embed_scale is not None:
+            # Rounded to the model dtype first, as transformers does.
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         rope = self.rotary(positions, x.dtype)  # once per step, for every layer
+        sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer(x, residual, sliding_rope if layer.sliding else rope, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> logits [num_rows, vocab] in the model dtype."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.args.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -10,7 +10,9 @@ q/k/v and gate/up are concatenated into the fused projections::
     model.layers.{i}.mlp.down_proj.*             -> layers.{i}.mlp.down_proj.*
     model.layers.{i}.input_layernorm.weight      -> layers.{i}.input_norm.weight
     model.layers.{i}.post_attention_layernorm.*  -> layers.{i}.post_attn_norm.weight
-    model.layers.{i}.self_attn.{q,k}_norm.weight -> layers.{i}.attn.{q,k}_norm.weight  (Qwen3)
+    model.layers.{i}.self_attn.qkv_proj.* / mlp.gate_up_proj.*   (Phi-3: fused in the checkpoint, kept)
+    model.layers.{i}.self_attn.{q,k}_norm.weight -> layers.{i}.attn.{q,k}_norm.weight  (Qwen3, Gemma 3)
+    model.layers.{i}.{pre,post}_feedforward_layernorm.weight -> layers.{i}.{pre,post}_ff_norm.weight  (Gemma 3)
     model.embed_tokens.weight / model.norm.weight / lm_head.weight   (lm_head absent when tied)
 
 Mixture-of-experts layers (Mixtral's ``block_sparse_moe``, Qwen3-MoE's ``mlp``) stack their
@@ -33,7 +35,7 @@ from safetensors import safe_open
 
 from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.native.cpu import cpu_features
-from engine_svc.model.rope import rope_inv_freq
+from engine_svc.model.rope import RotaryEmbedding, rope_attention_scaling, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,10 @@ _RENAMES = {
     "mlp.down_proj": "mlp.down_proj",
     "input_layernorm": "input_norm",
     "post_attention_layernorm": "post_attn_norm",
+    "pre_feedforward_layernorm": "pre_ff_norm",
+    "post_feedforward_layernorm": "post_ff_norm",
+    "self_attn.qkv_proj": "attn.qkv_proj",  # Phi-3 checkpoints store them fused already
+    "mlp.gate_up_proj": "mlp.gate_up_proj",
     "self_attn.q_norm": "attn.q_norm",
     "self_attn.k_norm": "attn.k_norm",
     "block_sparse_moe.gate": "mlp.router",
@@ -233,7 +239,11 @@ def load_model(
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.tie_weights()
+    assert isinstance(model.rotary, RotaryEmbedding)
     model.rotary.inv_freq = rope_inv_freq(args).to(device)
+    model.rotary.attention_scaling = rope_attention_scaling(args)
+    if model.sliding_rotary is not None:  # Gemma 3's local theta: no scaling, by definition
+        model.sliding_rotary.inv_freq = rope_inv_freq(args, sliding=True).to(device)
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, vocab %d, %s on %s",

@@ -109,6 +109,11 @@ def install_native_layers(model: Transformer, kernels: NativeKernels, dtype: tor
         if isinstance(module, RMSNorm) and not module.offset and not name.endswith(("q_norm", "k_norm")):
             _replace(model, name, NativeRMSNorm(kernels, module))
     assert isinstance(model.rotary, RotaryEmbedding), "native layers are installed once"
+    if model.args.rotary_dim != model.args.head_dim:
+        logger.info(
+            "partial rotary embedding (%d of %d dims) runs in PyTorch", model.args.rotary_dim, model.args.head_dim
+        )
+        return
     model.rotary = NativeRotary(kernels, model.rotary, model.args.max_position_embeddings, dtype)
 
 

@@ -26,6 +26,7 @@ from engine_svc.types import FinishReason, SamplingParams
 from tests.family_factory import FAMILIES, VOCAB_SIZE, WINDOW, make_family_dir
 
 NUM_NEW = 10
+MAX_MODEL_LEN = 256  # within the LongRoPE models' original context
 TIE_EPS = 1e-4
 LENGTHS = [1, 3, 8, 15, 16, 17, 31, 40, 64, 65, 100, 130]
 REGIMES = {
@@ -77,7 +78,13 @@ def test_greedy_matches_transformers(family, regime, kernels):
     prompts = _prompts(shared_prefix=40 if regime == "prefix_cache" else 0)
     core = EngineCore(
         EngineConfig(
-            model=str(path), dtype="float32", num_kv_blocks=256, block_size=16, kernels=kernels, **REGIMES[regime]
+            model=str(path),
+            dtype="float32",
+            num_kv_blocks=256,
+            block_size=16,
+            kernels=kernels,
+            max_model_len=MAX_MODEL_LEN,
+            **REGIMES[regime],
         )
     )
     assert (core.runner.kernels is None) == (kernels == "torch")
@@ -97,9 +104,16 @@ def test_family_options_are_read_from_config(family):
     name, path, _, _ = family
     args = ModelArgs.from_hf_config(read_config(path))
     assert args.architecture == FAMILIES[name][1].__name__
-    windows = {"qwen3_sliding": (None, WINDOW), "mistral_sliding": (WINDOW,) * 2, "qwen2_sliding": (WINDOW,) * 2}
+    windows = {
+        "qwen3_sliding": (None, WINDOW),
+        "mistral_sliding": (WINDOW,) * 2,
+        "qwen2_sliding": (WINDOW,) * 2,
+        "gemma3": (WINDOW, None),
+        "phi3": (WINDOW,) * 2,
+    }
     assert args.sliding_windows == windows.get(name, (WINDOW,) * 2 if name == "mixtral" else (None, None))
-    assert args.qk_norm == name.startswith("qwen3")
+    assert args.qk_norm == name.startswith(("qwen3", "gemma3"))
+    assert (args.norm_offset, args.sandwich_norms) == ((1.0, True) if name == "gemma3" else (0.0, False))
     assert args.moe_layers == {"mixtral": (True, True), "qwen3_moe": (False, True)}.get(name, (False, False))
 
 
@@ -117,3 +131,11 @@ def test_unservable_config_is_refused_naming_the_field(tmp_path, edit, field):
     config.update(edit)
     with pytest.raises((ValueError, NotImplementedError), match=field):
         ModelArgs.from_hf_config(config)
+
+
+def test_longrope_past_the_original_context_is_refused(tmp_path):
+    args = ModelArgs.from_hf_config(read_config(make_family_dir(tmp_path / "m", "phi4_mini")))
+    assert (args.rotary_dim, args.head_dim) == (12, 16)
+    args.check_max_model_len(256)
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        args.check_max_model_len(257)
