@@ -10,11 +10,15 @@
         is added back to those tokens' rows (index_add_), experts in ascending order.
 
 Each token's sum over its experts therefore runs in the order transformers adds them.
+``run_expert`` is ``F.linear`` here; with the native kernels, each expert's packed GEMMs
+(native_layers.py: gate/up fused with SiLU-and-multiply).
 Weights are stacked per layer: gate/up ``[num_experts, 2 * moe_intermediate, hidden]``
 and down ``[num_experts, hidden, moe_intermediate]``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,9 @@ from torch import nn
 
 from engine_svc.model.args import ModelArgs
 from engine_svc.model.layers import ACTIVATIONS
+
+# (expert, x [count, hidden]) -> that expert's MLP output [count, hidden], before the router weight.
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class SparseMoE(nn.Module):
@@ -35,6 +42,12 @@ class SparseMoE(nn.Module):
         self.router = nn.Linear(hidden, args.num_experts, bias=False)
         self.gate_up_experts = nn.Parameter(torch.empty(args.num_experts, 2 * intermediate, hidden))
         self.down_experts = nn.Parameter(torch.empty(args.num_experts, hidden, intermediate))
+        self.hidden_act = args.hidden_act
+        self.run_expert: ExpertFn = self._torch_expert
+
+    def _torch_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_experts[expert]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_experts[expert])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [num_tokens, top_k] in x's dtype, expert ids [num_tokens, top_k] long)."""
@@ -59,7 +72,6 @@ class SparseMoE(nn.Module):
             pairs = order[start : start + count]
             start += count
             tokens = pairs // self.top_k
-            gate, up = F.linear(x[tokens], self.gate_up_experts[expert]).chunk(2, dim=-1)
-            h = F.linear(self.act(gate) * up, self.down_experts[expert])  # [count, hidden]
+            h = self.run_expert(expert, x[tokens])  # [count, hidden]
             out.index_add_(0, tokens, h * flat_weights[pairs, None])
         return out

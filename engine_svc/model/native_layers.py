@@ -6,6 +6,7 @@
     install_native_linears(model, kernels, dtype)
         nn.Linear        -> NativeLinear       weights packed for gemm.c;
                                                MLP gate/up fused with SiLU-and-multiply
+        SparseMoE        .run_expert -> NativeExperts: each expert's two GEMMs packed alike
 
 Whether the linear layers run here, in oneDNN or in ``F.linear`` is ``backend.py``'s
 decision.
@@ -24,6 +25,7 @@ from torch import nn
 
 from engine_svc.model.layers import MLP, RMSNorm
 from engine_svc.model.llama import Transformer
+from engine_svc.model.moe import SparseMoE
 from engine_svc.model.native import NativeKernels, PackedWeight
 from engine_svc.model.rope import QKNorm, RotaryEmbedding, StepRope
 
@@ -96,6 +98,24 @@ class NativeRotary(nn.Module):
         return NativeStepRope(self.kernels, positions.contiguous(), self.cos_sin)
 
 
+class NativeExperts:
+    """``SparseMoE.run_expert`` on packed weights: gate/up with SiLU-and-multiply, then down."""
+
+    def __init__(self, kernels: NativeKernels, moe: SparseMoE, dtype: torch.dtype) -> None:
+        self.kernels = kernels
+        self.packed = [
+            (
+                kernels.pack(moe.gate_up_experts[e], None, dtype, silu_mul=True),
+                kernels.pack(moe.down_experts[e], None, dtype),
+            )
+            for e in range(moe.num_experts)
+        ]
+
+    def __call__(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.packed[expert]
+        return self.kernels.gemm(self.kernels.gemm(x, gate_up), down)
+
+
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -129,4 +149,7 @@ def install_native_linears(model: Transformer, kernels: NativeKernels, dtype: to
         if fuse:
             assert isinstance(parent, MLP)
             parent.act_fused = True
+    for module in model.modules():
+        if isinstance(module, SparseMoE) and module.hidden_act == "silu":
+            module.run_expert = NativeExperts(kernels, module, dtype)
     return len(linears)

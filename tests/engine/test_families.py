@@ -2,7 +2,7 @@
 
 For each family (tests/family_factory.py) greedy continuations of 12 prompts of mixed
 lengths equal ``generate()`` of transformers on the same random weights, in float32,
-on the PyTorch path and on the native kernels, with all prompts in one batch, with every
+on the PyTorch path and on the native kernels (experts included), with all prompts in one batch, with every
 prefill chunked, and with prompts served from the prefix cache. Where the two part at a
 position whose top two logits lie within 1e-4 (a near tie), the comparison accepts it.
 
@@ -22,6 +22,8 @@ from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.model.args import ModelArgs
 from engine_svc.model.loader import read_config
+from engine_svc.model.moe import SparseMoE
+from engine_svc.model.native_layers import NativeExperts
 from engine_svc.types import FinishReason, SamplingParams
 from tests.family_factory import FAMILIES, VOCAB_SIZE, WINDOW, make_family_dir
 
@@ -88,6 +90,8 @@ def test_greedy_matches_transformers(family, regime, kernels):
         )
     )
     assert (core.runner.kernels is None) == (kernels == "torch")
+    experts = [m for m in core.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert all(isinstance(m.run_expert, NativeExperts) == (kernels == "auto") for m in experts)
     params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0.0)
     if regime == "prefix_cache":
         core.generate([prompts[0]], params)  # the shared prefix is cached before the rest arrive
