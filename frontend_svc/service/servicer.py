@@ -1,11 +1,10 @@
 """The public API, tandem.generate.v1.GenerateService: each call planned, routed, streamed.
 
     GenerateRequest ── sizes checked ── convert ──▶ GenerateInput ── planning ──▶ Plan
-                    ── router.route(), add() ──▶ engine
-    engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
-           ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
+    Plan ── Generation.stream() ──▶ ChoiceOutput ... (service/generation.py: routing, engines, text)
+         ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
 
-Errors follow the proto's contract: a RequestError ends the call with the gRPC status its
+Errors follow the proto's contract: a CallError ends the call with the gRPC status its
 ErrorCode names (INVALID_ARGUMENT names the field), UNAVAILABLE when no engine can serve
 or the serving one went away; engine in-band errors pass through with their own code. An
 engine that refuses (draining) or fails (dies, hangs) before anything was streamed to the
@@ -17,21 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import time
-import uuid
 
 import grpc
 
-from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
-from frontend_svc.engine.types import EngineRequestTooLargeError, EngineUnavailableError, ModelInfo
+from frontend_svc.engine.router import EngineRouter
 from frontend_svc.service import convert
 from frontend_svc.service.flow import Call, InFlightCalls
+from frontend_svc.service.generation import Generation
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
     Plan,
-    RequestError,
     RequestLimits,
     check_ids,
     check_num_messages,
@@ -43,16 +38,12 @@ from frontend_svc.service.planning import (
 )
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
-from frontend_svc.text.output_processor import ChoiceProcessor, TokenTexts
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.types import CallError, EngineUnavailableError, ModelInfo
 from tandem_common.types import ErrorCode
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-class EngineRefused(RequestError):
-    """An engine refused the request because it is draining (in-band UNAVAILABLE)."""
 
 
 def _status(code: ErrorCode) -> grpc.StatusCode:
@@ -70,22 +61,30 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         metrics: FrontendMetrics | None = None,
         tracer=None,
     ) -> None:
+        # The face-neutral part; the HTTP face (service/http/) runs its requests on the same one.
+        self.generation = Generation(
+            router, limits=limits, calls=calls, stream_interval=stream_interval, metrics=metrics, tracer=tracer
+        )
         self.router = router
-        self.stream_interval = stream_interval
-        self.limits = limits if limits is not None else RequestLimits()
-        self.calls = calls if calls is not None else InFlightCalls()
-        self.metrics = metrics or FrontendMetrics()
-        self.tracer = tracer  # None: tracing is off and no span is ever made
-        self.tokenizer: Tokenizer | None = None
-        self.tokenizer_problem: str | None = None  # why there is no tokenizer, when it is for good
-        self._texts: TokenTexts | None = None
-        # Long tokenizations run on worker threads, at most one per core at once: more would
-        # not finish sooner, and each holds ~100 bytes of memory per character of text.
-        self._heavy = asyncio.Semaphore(os.cpu_count() or 1)
+        self.limits = self.generation.limits
+        self.calls = self.generation.calls
+        self.metrics = self.generation.metrics
+        self.tracer = tracer  # None: tracing is off and no span is ever made (read by @traced)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.generation.tokenizer
+
+    @property
+    def tokenizer_problem(self) -> str | None:
+        return self.generation.tokenizer_problem
+
+    @tokenizer_problem.setter
+    def tokenizer_problem(self, problem: str | None) -> None:
+        self.generation.tokenizer_problem = problem
 
     def set_tokenizer(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._texts = TokenTexts(tokenizer)
+        self.generation.set_tokenizer(tokenizer)
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -94,15 +93,18 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         code, message = grpc.StatusCode.CANCELLED, ""
         call: Call | None = None
         try:
-            call = self.calls.enter()
-            tokenizer, info = self._ready()
+            call = self.calls.enter(context)
+            tokenizer, info = self.generation.ready()
             check_sizes(convert.request_sizes(request), self.limits, info)
             plan = await self._off_loop(request, self._plan, request, tokenizer, info)
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
-            await self._serve(plan, call, request, context, stats)
+            pieces = self.generation.stream(plan, stats, context.add_done_callback)
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    await call.write(context, convert.generate_response(piece, plan.text.return_token_ids))
             code = grpc.StatusCode.OK
-        except RequestError as e:
+        except CallError as e:
             code, message = _status(e.code), str(e)
         except EngineUnavailableError as e:
             code, message = grpc.StatusCode.UNAVAILABLE, str(e)
@@ -121,119 +123,13 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
         return plan_generate(convert.generate_input(request), tokenizer, info, self.limits)
 
-    async def _serve(self, plan: Plan, call: Call, request, context, stats: GenerateStats) -> None:
-        """Streams the plan's responses from one engine, or from a second one when the first
-        refuses or fails before anything was written to the client."""
-        # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
-        prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
-        sent, tried = False, []
-        failure: Exception | None = None
-        while True:
-            try:
-                route = await self.router.route(prompt, exclude=tried)
-                client = route.client
-            except EngineUnavailableError:
-                if failure is not None:  # the retry found no engine: the first failure says more
-                    raise failure from None
-                raise
-            try:
-                async with contextlib.aclosing(self._stream(plan, route, request, context, stats)) as responses:
-                    async for response in responses:
-                        sent = True
-                        await call.write(context, response)
-                return
-            except (EngineRefused, EngineUnavailableError) as e:
-                if sent or tried:
-                    raise
-                logger.info(
-                    "engine %s failed %s before anything was streamed (%s); trying another engine",
-                    client.address,
-                    stats.request_id or "-",
-                    e,
-                )
-                tried.append(client)
-                failure = e
-
-    async def _stream(self, plan: Plan, route: Route, request, context, stats: GenerateStats):
-        client = route.client
-        wakeup = asyncio.Event()
-        handles = []
-        choices = [
-            ChoiceProcessor(i, self.tokenizer, plan.prompt_token_ids, plan.text_params(i), self._texts)
-            for i in range(plan.n)
-        ]
-
-        def abort_unfinished(_context=None) -> None:
-            live = [h.request_id for h in handles if not h.finished and not h.aborted]
-            if live:
-                client.abort(live)
-
-        context.add_done_callback(abort_unfinished)
-        try:
-            arrival = time.time()
-            rids = [uuid.uuid4().hex for _ in range(plan.n)]
-            trace_context = stats.routed(client.address, rids, route.reason.value, route.predicted_cached_tokens)
-            num_prefill_tokens = len(plan.prompt_token_ids) - (route.predicted_cached_tokens or 0)
-            for i, rid in enumerate(rids):
-                handles.append(
-                    client.add(
-                        rid,
-                        plan.prompt_token_ids,
-                        plan.engine_params(i),
-                        priority=plan.priority,
-                        trace_context=trace_context,
-                        arrival_time=arrival,
-                        wakeup=wakeup,
-                        stream_interval=self.stream_interval,
-                        num_prefill_tokens=num_prefill_tokens,
-                    )
-                )
-            logger.debug(
-                "Generate %s -> engine %s as %s",
-                stats.request_id,
-                client.address,
-                ",".join(h.request_id for h in handles),
-            )
-            unfinished = set(range(plan.n))
-            while unfinished:
-                await wakeup.wait()
-                wakeup.clear()
-                # Everything that arrived while the client was slow is merged into one piece.
-                for i in sorted(unfinished):
-                    merged = handles[i].take()
-                    if merged is None:
-                        continue
-                    # --stream-interval 1: one message per token, however the tokens came.
-                    for out in merged.split() if self.stream_interval == 1 else (merged,):
-                        if out.error is not None:
-                            raise _engine_error(out.error)
-                        piece = choices[i].process(out)
-                        if piece is None:
-                            continue
-                        if piece.abort_engine:  # a stop string ended it: the engine counts a stop
-                            handles[i].abort(stop_string=True)
-                        if piece.finished:
-                            unfinished.discard(i)
-                        stats.piece(piece)
-                        yield convert.generate_response(piece, plan.text.return_token_ids)
-        except EngineRequestTooLargeError as e:
-            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
-        finally:
-            abort_unfinished()
-            stats.generated(sum(c.num_output_tokens for c in choices))
-
-    def _ready(self) -> tuple[Tokenizer, ModelInfo]:
-        info = self.router.model_info
-        if info is None:
-            raise RequestError(ErrorCode.UNAVAILABLE, "no engine is connected yet; retry later")
-        return self._tokenizer(), info
-
     # -- unary RPCs ---------------------------------------------------------------------------
 
     @traced("Tokenize")
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
-            tokenizer = self._tokenizer()
+            texts = self.generation.token_texts()
+            tokenizer = texts.tokenizer
             info = self.router.model_info
             max_model_len = info.max_model_len if info is not None else None
             which = request.WhichOneof("input")
@@ -249,21 +145,21 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
             else:
                 raise invalid("input", "set text or messages")
-        except RequestError as e:
+        except CallError as e:
             await context.abort(_status(e.code), str(e))
-        tokens = await self._off_loop(request, lambda: [self._texts(t) for t in ids])
+        tokens = await self._off_loop(request, lambda: [texts(t) for t in ids])
         return generate_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     @traced("Detokenize")
     async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
         try:
-            tokenizer = self._tokenizer()
+            tokenizer = self.generation.loaded_tokenizer()
             if len(request.token_ids) > MAX_DETOKENIZE_IDS:
                 raise invalid(
                     "token_ids", f"at most {MAX_DETOKENIZE_IDS} ids are allowed, got {len(request.token_ids)}"
                 )
             await self._off_loop(request, check_ids, "token_ids", request.token_ids, tokenizer.vocab_size)
-        except RequestError as e:
+        except CallError as e:
             await context.abort(_status(e.code), str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await self._off_loop(request, tokenizer.decode, list(request.token_ids), skip)
@@ -272,42 +168,17 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     @traced("GetModelInfo")
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext):
         info = self.router.model_info
-        if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
-        return convert.model_info_response(
-            info,
-            has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
-            num_engines=self.router.num_connected,
-        )
-
-    def _tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            if self.tokenizer_problem is not None:
-                raise RequestError(ErrorCode.FAILED_PRECONDITION, self.tokenizer_problem)
-            raise RequestError(ErrorCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
-        return self.tokenizer
+        if info is not None:
+            return convert.model_info_response(
+                info,
+                has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+                num_engines=self.router.num_connected,
+            )
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
 
     async def _off_loop(self, request, fn, *args):
-        """``fn(*args)`` on a worker thread when the request is large (see _OFF_LOOP_BYTES)."""
-        if request.ByteSize() <= _OFF_LOOP_BYTES:
-            return fn(*args)
-        async with self._heavy:
-            return await asyncio.to_thread(fn, *args)
-
-
-# Requests larger than this (serialized) are tokenized on a worker thread, where inputs
-# this long release the GIL (text/tokenizer.py, _LONG_INPUT): one long prompt must not
-# stall the event loop, and with it every other call, stream and health check. Below it
-# tokenizing takes well under a millisecond.
-_OFF_LOOP_BYTES = 4096
-
-
-def _engine_error(error) -> RequestError:
-    """An engine's in-band error as the call's error (EngineRefused: it is draining)."""
-    message = error.message
-    if error.field and error.field not in message:
-        message = f"{error.field}: {message}"
-    return (EngineRefused if error.code is ErrorCode.UNAVAILABLE else RequestError)(error.code, message)
+        """``fn(*args)`` on a worker thread when the request is large (generation.OFF_LOOP_BYTES)."""
+        return await self.generation.off_loop(request.ByteSize(), fn, *args)
 
 
 def _ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
