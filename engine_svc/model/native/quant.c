@@ -56,9 +56,14 @@ static void dequant_row(int kind, const void *qs, const float *scale, const floa
 }
 
 static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < TK_VL; i++) s += v[i];
-    return s;
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    const __m128 lo = _mm256_castps256_ps128((__m256)v), hi = _mm256_extractf128_ps((__m256)v, 1);
+    __m128 s = _mm_add_ps(lo, hi);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+#endif
 }
 
 /* Few rows (a decode step's): each group of 32 weights is dequantized in registers and
