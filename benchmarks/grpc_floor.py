@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from benchmarks.serve import process_cpu_s
+from benchmarks.serve_load import process_cpu_s
 
 _METHOD = "/floor.Floor/Stream"
 _PAYLOAD = b"x" * 40  # about one token's text, index and id

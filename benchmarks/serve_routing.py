@@ -30,8 +30,8 @@ import socket
 import urllib.request
 from pathlib import Path
 
-from benchmarks.serve import drive
 from benchmarks.serve_launch import launched
+from benchmarks.serve_load import drive
 from benchmarks.serve_report import jsonable
 
 POLICIES = ("least-load", "prefix")

@@ -36,6 +36,7 @@ from pathlib import Path
 import grpc
 
 from tandem_common.ready import remove_ready_file, write_ready_file
+from tandem_common.tokenizer_files import SERVED_TOKENIZER_FILE_NAMES
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 
@@ -47,7 +48,6 @@ SAMPLE_TEXT = (
 )
 STEP_FILE_POLL_S = 0.2
 MAX_CATCH_UP_STEPS = 8  # most steps a late wake-up runs at once
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 @dataclass
@@ -234,7 +234,7 @@ class TokenEngine(engine_pb2_grpc.EngineServiceServicer):
         return pb.GetLoadResponse(load=self._load())
 
     async def GetTokenizer(self, request, context):
-        for name in TOKENIZER_FILES:
+        for name in SERVED_TOKENIZER_FILE_NAMES:
             path = self.model_dir / name
             if path.is_file():
                 data = path.read_bytes()

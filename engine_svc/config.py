@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from tandem_common.flags import LOG_LEVELS, HelpFormatter, int_in, message_bytes, metrics_port, port, seconds
+from tandem_common.flags import (
+    HelpFormatter,
+    add_observability_flags,
+    add_server_tls_flags,
+    int_in,
+    message_bytes,
+    port,
+    seconds,
+)
 
 
 @dataclass
@@ -198,26 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.shutdown_timeout,
         help="seconds running requests may take to finish after SIGTERM",
     )
-    n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
-    n.add_argument("--tls-key", default=None, help="server private key (PEM)")
-    n.add_argument("--tls-ca", default=None, help="CA (PEM) that client certificates must chain to (mutual TLS)")
+    add_server_tls_flags(n, client_ca=True)
 
-    o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument(
-        "--metrics-host",
-        default=None,
-        help="address the metrics endpoint listens on (default: the same as --host)",
-    )
-    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
-    o.add_argument(
-        "--log-format", default=d.log_format, choices=["text", "json"], help="text lines, or one JSON object per line"
-    )
-    o.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
-        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
-        "tracing is off when none is set",
-    )
+    add_observability_flags(p, log_level=d.log_level, log_format=d.log_format)
     return p

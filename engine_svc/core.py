@@ -14,19 +14,22 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_svc.config import EngineConfig
 from engine_svc.model.runner import ModelRunner
-from engine_svc.outputs import EngineOutput, EngineStats, StepStats
+from engine_svc.outputs import EngineOutput, EngineStats, ModelInfo, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
 from engine_svc.sched.kv_cache import KVCacheManager
+from engine_svc.sched.kv_events import KvEventLog
 from engine_svc.sched.request import Request, request_output
-from engine_svc.sched.scheduler import Scheduler
+from engine_svc.sched.scheduler import Scheduler, SchedulerObserver
 from engine_svc.structured import StructuredOutputs
 from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
+from tandem_common.block_hash import BlockHash
+from tandem_common.kv_events import KvEvent
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ class EngineCore:
             model_dir = str(ensure_demo_model())
         self.model_dir = Path(model_dir)
         self.model_name = config.served_model_name or self.model_dir.name
+        self.device = config.device
+        self.block_size = config.block_size
         self.runner = ModelRunner(
             str(self.model_dir),
             device=config.device,
@@ -222,6 +227,52 @@ class EngineCore:
 
     def warmup(self) -> None:
         self.runner.warmup()
+
+    def model_info(self) -> ModelInfo:
+        runner = self.runner
+        return ModelInfo(
+            model_name=self.model_name,
+            architecture=runner.model_args.architecture,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            bos_token_id=runner.bos_token_id,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=self.device,
+            block_size=self.block_size,
+            num_kv_blocks=runner.num_kv_blocks,
+        )
+
+    # -- what a loop driving the core from its own thread hooks into ----------------------
+
+    def set_observer(self, observer: SchedulerObserver | None) -> None:
+        """Lifecycle callbacks from the scheduler (scheduled, preempted), on the step thread."""
+        self.scheduler.observer = observer
+
+    def set_on_grammar_ready(self, callback: Callable[[], None] | None) -> None:
+        """Called from a compile thread when a grammar is ready: a sleeping loop should wake."""
+        self.structured.on_ready = callback
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        return self.kv_cache.events is not None
+
+    def enable_kv_events(self) -> None:
+        """Record every prefix-cache hash stored and evicted from now on (idempotent)."""
+        if self.kv_cache.events is None:
+            self.kv_cache.events = KvEventLog()
+
+    def disable_kv_events(self) -> None:
+        """Record nothing (nobody listens), and drop what was recorded."""
+        self.kv_cache.events = None
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix-cache events since the last take, oldest first; none while disabled."""
+        return [] if self.kv_cache.events is None else self.kv_cache.events.take()
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now: the snapshot the events continue."""
+        return self.kv_cache.cached_hashes()
 
     # -- offline API ----------------------------------------------------------------------
 

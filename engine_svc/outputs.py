@@ -3,6 +3,7 @@
     scheduler.schedule() -> SchedulerOutput -> model_runner.execute() -> ModelRunnerOutput
     -> scheduler.update_from_output() -> list[EngineOutput] (what the servicer streams)
     EngineCore.make_stats() -> EngineStats (one snapshot per loop turn, for other threads)
+    EngineCore.model_info() -> ModelInfo (what the model and its KV cache are, once loaded)
 
 No torch here: the scheduler and the servicer import this module.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_svc.types import FinishReason, Logprob, RequestError, RequestView
+from engine_svc.types import Logprob, RequestError, RequestView
+from tandem_common.outputs import EngineOutput as EngineOutput  # the per-request output both services share
 
 
 @dataclass
@@ -71,25 +73,6 @@ class ModelRunnerOutput:
     errors: dict[str, RequestError] = field(default_factory=dict)
 
 
-@dataclass
-class EngineOutput:
-    """What one request produced in one step; the servicer turns it into protobuf."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprob] = field(default_factory=list)
-    prompt_logprobs: list[Logprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: RequestError | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 @dataclass(frozen=True)
 class RejectedAdd:
     """An add refused without becoming a request: its id is in flight on its stream.
@@ -142,3 +125,23 @@ class EngineStats:
     draining: bool = False
     step: StepStats | None = None  # None when the turn ran no step
     structured: StructuredStats = StructuredStats()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model and its KV cache as clients see them; fixed once the core is built."""
+
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: str  # what --dtype auto resolved to, e.g. "bfloat16"
+    device: str
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size

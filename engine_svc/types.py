@@ -8,9 +8,9 @@ never move a counter the scheduler relies on. No torch here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from tandem_common.outputs import RequestError
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from tandem_common.types import ErrorCode, FinishReason, Logprob
 
@@ -23,15 +23,6 @@ __all__ = [
     "RequestView",
     "SamplingParams",
 ]
-
-
-@dataclass(frozen=True)
-class RequestError:
-    """Why a request was refused or failed; travels in band on the engine stream."""
-
-    code: ErrorCode
-    message: str
-    field: str = ""  # the offending field, e.g. "sampling_params.top_p"
 
 
 class RequestView(Protocol):

@@ -8,7 +8,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from frontend_svc.engine.routing import DEFAULT_LOAD_THRESHOLD_TOKENS
-from tandem_common.flags import LOG_LEVELS, HelpFormatter, float_in, int_in, message_bytes, metrics_port, port, seconds
+from tandem_common.flags import (
+    HelpFormatter,
+    add_observability_flags,
+    add_server_tls_flags,
+    float_in,
+    int_in,
+    message_bytes,
+    port,
+    seconds,
+)
 
 
 @dataclass
@@ -18,6 +27,7 @@ class FrontendConfig:
     engines: list[str] = field(default_factory=list)
     dns_refresh_s: float = 10.0
     engine_stall_timeout_s: float = 10.0
+    engine_progress_timeout_s: float = 30.0  # 0: off (engine/watchdog.py)
     # "least-load" or "prefix"; None: prefix when there can be two or more engines (two
     # --engine flags or a dns:/// name), least-load with one (nothing to choose from, and
     # the engine then records no prefix-cache events for this frontend).
@@ -31,6 +41,7 @@ class FrontendConfig:
     max_stop_string_chars: int = 1024
     max_n: int = 16
     max_concurrent_calls: int = 1024
+    max_calls_per_client: int | None = None  # None: half of max_concurrent_calls; 0: no share (fair_share.py)
     stalled_client_timeout_s: float = 30.0
     stream_interval: int = 0  # 0: adaptive coalescing; N: a message waits for N tokens
     shutdown_timeout: float = 30.0
@@ -75,10 +86,14 @@ class FrontendConfig:
             problems.append("--max-stop-string-chars must be at least 1")
         if self.max_concurrent_calls < 0:
             problems.append("--max-concurrent-calls must be >= 0 (0: no limit)")
+        if self.max_calls_per_client is not None and self.max_calls_per_client < 0:
+            problems.append("--max-calls-per-client must be >= 0 (0: no per-client limit)")
         if self.stalled_client_timeout_s < 0:
             problems.append("--stalled-client-timeout-s must be >= 0 (0: never)")
         if self.engine_stall_timeout_s <= 0:
             problems.append("--engine-stall-timeout-s must be positive")
+        if self.engine_progress_timeout_s < 0:
+            problems.append("--engine-progress-timeout-s must be >= 0 (0: off)")
         if not 0 < self.dns_refresh_s < math.inf:
             problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
         if self.routing_load_threshold < 0:
@@ -95,6 +110,13 @@ class FrontendConfig:
             return self.routing
         several = len(self.engines) >= 2 or any(e.startswith("dns:") for e in self.engines)
         return "prefix" if several else "least-load"
+
+    @property
+    def calls_per_client(self) -> int:
+        """--max-calls-per-client, or its default: half of --max-concurrent-calls (0 when that is 0)."""
+        if self.max_calls_per_client is not None:
+            return self.max_calls_per_client
+        return (self.max_concurrent_calls + 1) // 2
 
     @property
     def engine_tls(self) -> bool:
@@ -143,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="an engine that sends nothing and answers no load query for this long is hung: its calls fail "
         "(those that streamed nothing yet are retried on another engine) and it gets no new ones until it "
         "answers again",
+    )
+    e.add_argument(
+        "--engine-progress-timeout-s",
+        type=seconds,
+        default=d.engine_progress_timeout_s,
+        metavar="S",
+        help="an engine that answers but advances none of the requests it took for this long (no output, no "
+        "change of its load) is not serving: its calls fail with UNAVAILABLE (those that streamed nothing are "
+        "retried on another engine) and it gets one request at a time until it advances one (0: off)",
     )
     e.add_argument(
         "--routing",
@@ -208,8 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend processes serving the port together (SO_REUSEPORT), each with its own engine streams, "
         "for more tokens/s than one core streams; --metrics-port then serves their metrics summed",
     )
-    n.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
-    n.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    add_server_tls_flags(n, client_ca=False)
     n.add_argument(
         "--api-key",
         dest="api_keys",
@@ -237,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Generate calls in progress at once; more get RESOURCE_EXHAUSTED (0: no limit)",
     )
     r.add_argument(
+        "--max-calls-per-client",
+        type=int_in(0),
+        default=None,
+        metavar="N",
+        help="Generate calls one client may have in progress at once (a client is its API key, or its address "
+        "without keys); more get RESOURCE_EXHAUSTED. Default: half of --max-concurrent-calls; 0: no limit. "
+        "Behind a proxy every caller shares its address: raise it or set 0",
+    )
+    r.add_argument(
         "--stalled-client-timeout-s",
         type=seconds,
         default=d.stalled_client_timeout_s,
@@ -255,18 +294,5 @@ def build_parser() -> argparse.ArgumentParser:
         "first token and the end are sent at once), 1 sends exactly one message per token",
     )
 
-    o = p.add_argument_group("observability")
-    o.add_argument("--metrics-port", type=metrics_port, default=d.metrics_port, help="Prometheus port (0 = off)")
-    o.add_argument(
-        "--metrics-host", default=None, help="address the metrics endpoint listens on (default: the same as --host)"
-    )
-    o.add_argument("--log-level", default=d.log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
-    o.add_argument("--log-format", default=d.log_format, choices=["text", "json"])
-    o.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
-        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
-        "tracing is off when none is set",
-    )
+    add_observability_flags(p, log_level=d.log_level, log_format=d.log_format)
     return p

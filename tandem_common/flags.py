@@ -1,4 +1,5 @@
-"""Command-line helpers both services share: checked number types and the help formatter.
+"""Command-line helpers both services share: checked number types, the help formatter, and
+the flag groups both have (observability, the server's TLS).
 
 A flag with an impossible value must stop the service at start with a message that names
 the flag and the range it accepts, never start a service that then hangs or refuses every
@@ -83,3 +84,39 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is argparse.SUPPRESS or "default" in help_text:
             return help_text
         return super()._get_help_string(action) or help_text
+
+
+# -- flag groups both services have -------------------------------------------------------
+
+
+def add_observability_flags(p: argparse.ArgumentParser, *, log_level: str = "INFO", log_format: str = "text") -> None:
+    """The "observability" group: metrics endpoint, logs and tracing, alike in both services
+    (their configs have the fields metrics_port, metrics_host, log_level, log_format and
+    otlp_endpoint)."""
+    o = p.add_argument_group("observability")
+    o.add_argument("--metrics-port", type=metrics_port, default=0, help="Prometheus port (0 = off)")
+    o.add_argument(
+        "--metrics-host", default=None, help="address the metrics endpoint listens on (default: the same as --host)"
+    )
+    o.add_argument("--log-level", default=log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
+    o.add_argument(
+        "--log-format", default=log_format, choices=["text", "json"], help="text lines, or one JSON object per line"
+    )
+    o.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="OTLP gRPC endpoint for traces, e.g. http://otel-collector:4317 (HOST:PORT alone means "
+        "plaintext); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+        "tracing is off when none is set",
+    )
+
+
+def add_server_tls_flags(group: argparse._ArgumentGroup, *, client_ca: bool) -> None:
+    """--tls-cert and --tls-key of the service's own port; with ``client_ca``, --tls-ca too
+    (mutual TLS: clients must show a certificate that chains to it)."""
+    group.add_argument("--tls-cert", default=None, help="server certificate (PEM); enables TLS")
+    group.add_argument("--tls-key", default=None, help="server private key (PEM)")
+    if client_ca:
+        group.add_argument(
+            "--tls-ca", default=None, help="CA (PEM) that client certificates must chain to (mutual TLS)"
+        )

@@ -38,6 +38,8 @@ FRONTEND_REFUSED = [
     ("--metrics-port", "70000", "an integer in [0, 65535]"),
     ("--max-message-bytes", "0", "an integer in [2048"),
     ("--shutdown-timeout", "inf", "a number >= 0"),
+    ("--engine-progress-timeout-s", "-1", "a number >= 0"),
+    ("--max-calls-per-client", "-1", "an integer >= 0"),
 ]
 
 

@@ -1,4 +1,8 @@
-"""The KV cache's memory: its default size, and an allocation that is zero without a fill.
+"""The KV cache's memory: its size in blocks, and an allocation that is zero without a fill.
+
+    bytes_per_block(...)     K and V of every layer for block_size tokens
+    size_kv_cache(...)       --num-kv-blocks, else --kv-cache-bytes, else the default below
+    allocate_kv_cache(...)   one (k_cache, v_cache) pair per layer, views of one zeroed tensor
 
 Default size, when neither --num-kv-blocks nor --kv-cache-bytes is given::
 
@@ -30,6 +34,66 @@ logger = logging.getLogger(__name__)
 
 CPU_MEMORY_FRACTION = 0.4
 GPU_MEMORY_FRACTION = 0.8
+
+
+def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V, every layer. ValueError for a block size below 1."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def size_kv_cache(
+    *,
+    num_kv_blocks: int | None,
+    kv_cache_bytes: int | None,
+    bytes_per_block: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
+    """The pool size in blocks: ``num_kv_blocks`` if given, else what ``kv_cache_bytes``
+    holds, else ``default_num_kv_blocks``. ValueError when that is no block at all."""
+    if num_kv_blocks is None and kv_cache_bytes is not None:
+        num_kv_blocks = kv_cache_bytes // bytes_per_block
+    elif num_kv_blocks is None:
+        num_kv_blocks = default_num_kv_blocks(
+            bytes_per_block=bytes_per_block,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            device=device,
+        )
+    if num_kv_blocks < 1:
+        raise ValueError(
+            f"KV cache holds no block: a block needs {bytes_per_block} bytes "
+            f"(got num_kv_blocks={num_kv_blocks}, kv_cache_bytes={kv_cache_bytes})"
+        )
+    if num_kv_blocks * block_size < max_model_len:
+        logger.warning(
+            "KV cache holds %d tokens, less than max_model_len %d", num_kv_blocks * block_size, max_model_len
+        )
+    return num_kv_blocks
+
+
+def allocate_kv_cache(
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zeroed, not empty: masked padding reads these slots, and softmax weight 0 times a
+    garbage NaN would still be NaN."""
+    cache = zeroed((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
+    return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
 
 def default_num_kv_blocks(

@@ -2,7 +2,7 @@
 
 One flattened batch of tokens goes through the model: ``[num_tokens, hidden]`` with no
 batch dimension and no padding. Which request a token belongs to, and what it may attend
-to, lives only in ``AttentionMetadata`` (engine_svc/attention.py).
+to, lives only in ``AttentionMetadata`` (engine_svc/model/attention/).
 
 Differences between the three architectures are config-level only:
   * Qwen2 has biases on q/k/v (``qkv_bias``); Llama may have biases everywhere

@@ -1,18 +1,18 @@
 """The model's layers on the native CPU kernels (engine_svc/model/native), swapped in at load.
 
-    install_native_layers(model, kernels, dtype, matmuls="native"|"onednn"|"torch")
+    install_native_layers(model, kernels, dtype)    replaces, in place and all at once:
+        RMSNorm          -> NativeRMSNorm      one pass: residual add + norm + gain
+        RotaryEmbedding  -> NativeRotary       RoPE in place on the fused qkv, cos/sin from a table
+    install_native_linears(model, kernels, dtype)
+        nn.Linear        -> NativeLinear       weights packed for gemm.c;
+                                               MLP gate/up fused with SiLU-and-multiply
 
-replaces, in place and all at once:
-
-    RMSNorm          -> NativeRMSNorm      one pass: residual add + norm + gain
-    RotaryEmbedding  -> NativeRotary       RoPE in place on the fused qkv, cos/sin from a table
-    nn.Linear        -> NativeLinear       (matmuls="native") weights packed for gemm.c;
-                                           MLP gate/up fused with SiLU-and-multiply
-                        PackedLinear       (matmuls="onednn") oneDNN's packed matmul
+Whether the linear layers run here, in oneDNN or in ``F.linear`` is ``backend.py``'s
+decision.
 
 Each replacement computes what the module it replaces computes, with the same roundings
 (tests/engine/test_native_kernels.py holds them to that). Attention over the paged cache
-is chosen per step by ``AttentionMetadata`` (engine_svc/model/attention.py).
+is chosen per step by ``AttentionMetadata`` (engine_svc/model/attention/).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch import nn
 
 from engine_svc.model.llama import MLP, RMSNorm, RotaryEmbedding, StepRope, Transformer
 from engine_svc.model.native import NativeKernels, PackedWeight
-from engine_svc.model.packed_linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -92,18 +91,17 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-def install_native_layers(model: Transformer, kernels: NativeKernels, dtype: torch.dtype, matmuls: str) -> int:
-    """Swap the model's layers for native ones (see the module docstring); returns how many
-    linear layers now run outside ``F.linear``."""
+def install_native_layers(model: Transformer, kernels: NativeKernels, dtype: torch.dtype) -> None:
+    """Swap the model's norms and rotary embedding for native ones (see the module docstring)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, RMSNorm):
             _replace(model, name, NativeRMSNorm(kernels, module))
     assert isinstance(model.rotary, RotaryEmbedding), "native layers are installed once"
     model.rotary = NativeRotary(kernels, model.rotary, model.args.max_position_embeddings, dtype)
-    if matmuls == "onednn":
-        return pack_linears(model, batch_size_hint=64)
-    if matmuls != "native":
-        return 0
+
+
+def install_native_linears(model: Transformer, kernels: NativeKernels, dtype: torch.dtype) -> int:
+    """Swap every ``nn.Linear`` for a ``NativeLinear``; returns how many were swapped."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")

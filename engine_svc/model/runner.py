@@ -8,12 +8,16 @@ Only the rows that need logits go through the LM head: the last row of each requ
 chunk reaches its end (``needs_sample``) and the prompt rows whose prompt logprobs are
 still owed. The runner never mutates requests; the scheduler advances their counters.
 The runner never imports the scheduler.
+
+Construction, in order (``__init__`` only calls the steps): load the weights while the
+native kernels compile, and put the layers on the backend that ``backend.py`` chooses
+(native / oneDNN / torch, weights packed once); resolve ``max_model_len``; size and
+allocate the KV cache (``kv_memory.py``) and the attention workspace; make the sampler.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,27 +25,21 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
-from engine_svc.model.kv_memory import default_num_kv_blocks, zeroed
+from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
+from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
+from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
-from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
-from engine_svc.model.native_layers import install_native_layers
-from engine_svc.model.packed_linear import pack_linears, packing_supported
+from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.sampler import Sampler
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine_svc.types import RequestView, SamplingParams
+from engine_svc.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # Prompt rows per LM-head call when prompt logprobs are asked for; bounds the logits
 # tensor to PROMPT_LOGITS_CHUNK x vocab float32.
 PROMPT_LOGITS_CHUNK = 512
-
-
-def uses_native_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """The native CPU kernels are for ``--kernels auto`` on CPU in float32 or bfloat16 only:
-    ``torch`` is the plain-PyTorch reference, and a GPU never loads them."""
-    return kernels == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 class ModelRunner:
@@ -62,120 +60,103 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        native = uses_native_kernels(kernels, self.device, self.dtype)
-        build = None
-        if native:
-            # The kernels compile (first use only) while the weights load.
-            build = threading.Thread(target=load_kernels, name="kernel-build", daemon=True)
-            build.start()
-        self.model, self.model_args = load_model(model_dir, self.device, self.dtype)
-        if build is not None:
-            build.join()
-        self.kernels: NativeKernels | None = load_kernels() if native else None
-        # Where the linear layers run: "native" (gemm.c), "onednn" (packed) or "torch" (F.linear).
-        self.matmuls = "torch"
-        self.native_prefill = False
-        if self.kernels is not None:
-            # Hardware bfloat16 dot products (AVX512-BF16, AMX) are oneDNN's; everywhere
-            # else the native GEMM, which computes bfloat16 weights in float32.
-            if (
-                self.dtype == torch.bfloat16
-                and cpu_features().native_bf16
-                and packing_supported(self.device, self.dtype)
-            ):
-                self.matmuls = "onednn"
-            else:
-                self.matmuls = "native"
-            if install_native_layers(self.model, self.kernels, self.dtype, self.matmuls) == 0:
-                self.matmuls = "torch"
-            self.native_prefill = self.kernels.supports_prefill_attention(self.model_args.head_dim)
-        elif kernels == "auto" and packing_supported(self.device, self.dtype):
-            if pack_linears(self.model, batch_size_hint):
-                self.matmuls = "onednn"
-        if self.device.type == "cpu":
-            logger.info(
-                "kernels: %s; matmuls: %s; attention: %s",
-                f"native {self.kernels.isa} build" if self.kernels else "plain PyTorch",
-                self.matmuls,
-                "native (decode and prefill)"
-                if self.native_prefill
-                else "native decode"
-                if self.kernels
-                else "PyTorch",
-            )
-        args = self.model_args
-        # Thread count per step, by measurement (threads.py); only where tokens do not
-        # depend on it: the native kernels never split a sum across threads.
-        self.threads = ThreadGovernor(torch.get_num_threads()) if self.matmuls == "native" else None
-        # Arithmetic per token of the linear layers, and per (query, key) pair of attention,
-        # the governor's unit of work.
-        qkv = args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-        mlp = 3 * args.hidden_size * args.intermediate_size
-        self._linear_work = 2 * args.num_layers * (qkv + args.num_heads * args.head_dim * args.hidden_size + mlp)
-        self._attention_work = 4 * args.num_layers * args.num_heads * args.head_dim
-        self.vocab_size = args.vocab_size
-        self.max_model_len = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        if max_model_len is not None and max_model_len > args.max_position_embeddings:
-            logger.warning(
-                "--max-model-len %d is beyond the model's max_position_embeddings; using %d",
-                max_model_len,
-                self.max_model_len,
-            )
-        args.check_max_model_len(self.max_model_len)
+        self.model, self.model_args, backend = self._load_model(model_dir, kernels, batch_size_hint)
+        self.kernels = backend.kernels
+        self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
+        self.native_prefill = backend.native_prefill
+        self.threads = self._thread_governor()
+        self.step_work = StepWork.of_model(self.model_args)
+        self.vocab_size = self.model_args.vocab_size
+        self.max_model_len = self._resolve_max_model_len(max_model_len)
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
-
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        # K and V, every layer.
-        self.bytes_per_block = 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * itemsize
-        if num_kv_blocks is None and kv_cache_bytes is not None:
-            num_kv_blocks = kv_cache_bytes // self.bytes_per_block
-        elif num_kv_blocks is None:
-            num_kv_blocks = default_num_kv_blocks(
-                bytes_per_block=self.bytes_per_block,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_model_len=self.max_model_len,
-                device=self.device,
-            )
-        if num_kv_blocks < 1:
-            raise ValueError(
-                f"KV cache holds no block: a block needs {self.bytes_per_block} bytes "
-                f"(got num_kv_blocks={num_kv_blocks}, kv_cache_bytes={kv_cache_bytes})"
-            )
-        self.num_kv_blocks = num_kv_blocks
-        if num_kv_blocks * block_size < self.max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens, less than max_model_len %d", num_kv_blocks * block_size, self.max_model_len
-            )
+        self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache()
-
-        # Gather buffers for attention, shared by all layers (allocating per layer costs
-        # page faults on CPU).
-        ws_shape = (workspace_tokens(self.max_model_len, block_size), args.num_kv_heads, args.head_dim)
-        self.workspace: KVCache = (
-            torch.empty(ws_shape, dtype=self.dtype, device=self.device),
-            torch.empty(ws_shape, dtype=self.dtype, device=self.device),
-        )
+        self.workspace = self._allocate_workspace()
         self.sampler = Sampler(self.vocab_size, self.device)
         self.sampler.generator.manual_seed(seed)
-        logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
-            num_kv_blocks,
-            block_size,
-            num_kv_blocks * self.bytes_per_block / 2**20,
-            self.max_model_len,
+
+    # -- construction steps ------------------------------------------------------------
+
+    def _load_model(
+        self, model_dir: str, kernels: str, batch_size_hint: int
+    ) -> tuple[Transformer, ModelArgs, ModelBackend]:
+        """Weights on the device, their layers on the backend ``backend.py`` chooses."""
+        build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
+        model, args = load_model(model_dir, self.device, self.dtype)
+        backend = install_backend(
+            model, build.result(), wanted=kernels, device=self.device, dtype=self.dtype, batch_size_hint=batch_size_hint
         )
+        return model, args, backend
+
+    def _thread_governor(self) -> ThreadGovernor | None:
+        """Thread count per step, by measurement (threads.py); only where tokens do not
+        depend on it: the native kernels never split a sum across threads."""
+        return ThreadGovernor(torch.get_num_threads()) if self.matmuls == "native" else None
+
+    def _resolve_max_model_len(self, max_model_len: int | None) -> int:
+        """``--max-model-len``, capped at the model's ``max_position_embeddings``."""
+        args = self.model_args
+        resolved = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        if max_model_len is not None and max_model_len > args.max_position_embeddings:
+            logger.warning(
+                "--max-model-len %d is beyond the model's max_position_embeddings; using %d", max_model_len, resolved
+            )
+        args.check_max_model_len(resolved)
+        return resolved
+
+    def _size_kv_cache(
+        self, num_kv_blocks: int | None, kv_cache_bytes: int | None, max_num_seqs: int
+    ) -> tuple[int, int]:
+        """(bytes per block, blocks in the pool), by kv_memory.py's rules."""
+        args = self.model_args
+        block_bytes = bytes_per_block(
+            num_layers=args.num_layers,
+            block_size=self.block_size,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            dtype=self.dtype,
+        )
+        num_blocks = size_kv_cache(
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_bytes=kv_cache_bytes,
+            bytes_per_block=block_bytes,
+            block_size=self.block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+        return block_bytes, num_blocks
 
     def _allocate_kv_cache(self) -> list[KVCache]:
         args = self.model_args
-        shape = (args.num_layers, 2, self.num_kv_blocks, self.block_size, args.num_kv_heads, args.head_dim)
-        # Zeroed, not empty: masked padding reads these slots, and softmax weight 0 times
-        # a garbage NaN would still be NaN.
-        cache = zeroed(shape, self.dtype, self.device)
-        return [(cache[i, 0], cache[i, 1]) for i in range(args.num_layers)]
+        kv_caches = allocate_kv_cache(
+            num_layers=args.num_layers,
+            num_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            self.num_kv_blocks,
+            self.block_size,
+            self.num_kv_blocks * self.bytes_per_block / 2**20,
+            self.max_model_len,
+        )
+        return kv_caches
+
+    def _allocate_workspace(self) -> KVCache:
+        """Gather buffers for SDPA attention, shared by all layers (allocating per layer
+        costs page faults on CPU)."""
+        args = self.model_args
+        shape = (workspace_tokens(self.max_model_len, self.block_size), args.num_kv_heads, args.head_dim)
+        return (
+            torch.empty(shape, dtype=self.dtype, device=self.device),
+            torch.empty(shape, dtype=self.dtype, device=self.device),
+        )
 
     # -- the step ---------------------------------------------------------------------
 
@@ -195,7 +176,7 @@ class ModelRunner:
         if self.threads is not None:
             self.threads.before_step(scheduler_output.num_tokens)
         input_ids, positions, meta = self._prepare_inputs(batch)
-        sample_rows, sample_requests, logprob_jobs = _logits_rows(batch)
+        sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             if sample_rows:
@@ -214,17 +195,8 @@ class ModelRunner:
                     targets = job.target_token_ids[i : i + PROMPT_LOGITS_CHUNK]
                     entries += self.sampler.prompt_logprobs(logits, targets, job.num_top)
         if self.threads is not None:
-            self.threads.after_step(time.perf_counter() - t0, self._step_work(batch))
+            self.threads.after_step(time.perf_counter() - t0, self.step_work.of(batch))
         return output
-
-    def _step_work(self, batch: list[ScheduledRequest]) -> float:
-        """The step's modelled arithmetic: linear layers per token, attention per (query, key) pair."""
-        tokens = pairs = 0
-        for s in batch:
-            n = s.num_new_tokens
-            tokens += n
-            pairs += n * (2 * s.start + n + 1) // 2
-        return float(tokens * self._linear_work + pairs * self._attention_work)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """LM head over the given rows of ``hidden`` only: [len(rows), vocab] float32."""
@@ -273,6 +245,30 @@ class ModelRunner:
         logger.info("warmup step done")
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """A step's modelled arithmetic, the thread governor's unit of work: the linear layers
+    per token, attention per (query, key) pair."""
+
+    per_token: int
+    per_pair: int
+
+    @classmethod
+    def of_model(cls, args: ModelArgs) -> StepWork:
+        qkv = args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        mlp = 3 * args.hidden_size * args.intermediate_size
+        linear = 2 * args.num_layers * (qkv + args.num_heads * args.head_dim * args.hidden_size + mlp)
+        return cls(per_token=linear, per_pair=4 * args.num_layers * args.num_heads * args.head_dim)
+
+    def of(self, batch: list[ScheduledRequest]) -> float:
+        tokens = pairs = 0
+        for s in batch:
+            n = s.num_new_tokens
+            tokens += n
+            pairs += n * (2 * s.start + n + 1) // 2
+        return float(tokens * self.per_token + pairs * self.per_pair)
+
+
 @dataclass
 class _WarmupRequest:
     """A greedy dummy request for the warm-up step (a ``RequestView``)."""
@@ -299,38 +295,3 @@ class _WarmupRequest:
     @property
     def num_output_tokens(self) -> int:
         return 0
-
-
-@dataclass
-class _PromptLogprobJob:
-    request_id: str
-    rows: list[int]  # rows of the flattened batch; row for position p predicts prompt token p + 1
-    target_token_ids: list[int]
-    num_top: int
-
-
-def _logits_rows(batch: list[ScheduledRequest]) -> tuple[list[int], list[RequestView], list[_PromptLogprobJob]]:
-    """Rows of the flattened batch that need logits: (sample rows, their requests, prompt-logprob jobs).
-
-    Prompt tokens up to ``num_prompt_logprobs_done`` were reported already (e.g. before a
-    preemption), so only later ones get entries.
-    """
-    sample_rows: list[int] = []
-    sample_requests: list[RequestView] = []
-    jobs: list[_PromptLogprobJob] = []
-    row = 0
-    for s in batch:
-        request, start, n = s.request, s.start, s.num_new_tokens
-        if s.needs_sample:
-            sample_rows.append(row + n - 1)
-            sample_requests.append(request)
-        num_top = request.sampling_params.prompt_logprobs
-        if num_top is not None:
-            lo = max(start, request.num_prompt_logprobs_done)  # positions [lo, hi) predict tokens lo+1 .. hi
-            hi = min(start + n, request.num_prompt_tokens - 1)
-            if lo < hi:
-                rows = list(range(row + lo - start, row + hi - start))
-                targets = list(request.prompt_token_ids[lo + 1 : hi + 1])
-                jobs.append(_PromptLogprobJob(request.request_id, rows, targets, num_top))
-        row += n
-    return sample_rows, sample_requests, jobs

@@ -1,6 +1,6 @@
 """A stream's unsent outputs: merged per request, handed out in bounded messages.
 
-    engine thread ── put(outputs, stats) ──▶ StreamBacklog ── take() ──▶ servicer: one StreamResponse
+    engine thread ── put(outputs, stats) ──▶ StreamBacklog ── take() ──▶ stream session: one StreamResponse
                  ◀── True: "pause my requests" ─┘     └── Batch.resume: "they may run again"
 
 A reader that keeps up takes each step's outputs as they come, one message per step. A
@@ -10,7 +10,7 @@ outputs of one request are merged into one, and ``take()`` hands out at most
 request whose backlog alone is larger (prompt logprobs first, then tokens; only the last
 piece carries the finish). Beyond ``pause_bytes`` of backlog, ``put`` answers True and
 the engine pauses the stream's requests, so the backlog stops growing; ``take()`` says
-when it is back to a quarter of that, and the servicer resumes them.
+when it is back to a quarter of that, and the stream session resumes them.
 
 Prefix-cache events (a stream subscribed to them) wait here too, in their batches of at
 most ``max_hashes`` hashes (the engine loop cuts them so): ``take()`` hands out the
@@ -27,7 +27,6 @@ however long, always fits a message of 64 KiB or more.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -108,7 +107,7 @@ class Batch:
 class StreamBacklog:
     """Outputs the engine produced for one stream that its reader has not taken yet.
 
-    ``put`` and ``finish`` run on the engine thread, ``take`` on the servicer's event
+    ``put`` and ``finish`` run on the engine thread, ``take`` on the gRPC event
     loop; a lock guards the state, and each call holds it only for its own work.
     """
 
@@ -174,23 +173,23 @@ class StreamBacklog:
 
     def _add(self, out: EngineOutput) -> None:
         size = output_bytes(out)
-        self._bytes += size
         request_id = out.request_id
         held = self._pending.get(request_id)
         if held is None:
             self._pending[request_id] = out
             self._sizes[request_id] = size
+            self._bytes += size
             return
         if request_id not in self._merged:  # never change an output the engine handed over
-            held = self._pending[request_id] = _copy(held)
+            held = self._pending[request_id] = held.copy()
             self._merged.add(request_id)
-        held.new_token_ids.extend(out.new_token_ids)
-        held.logprobs.extend(out.logprobs)
-        held.prompt_logprobs.extend(out.prompt_logprobs)
-        held.num_cached_tokens = max(held.num_cached_tokens, out.num_cached_tokens)
-        if out.finished:
-            held.finish_reason, held.stop_token_id, held.error = out.finish_reason, out.stop_token_id, out.error
-        self._sizes[request_id] += size - _head_bytes(request_id)  # one head for the merged output
+        held.merge(out)
+        # One head for the merged output, in both counts: ``_bytes`` is always the sum of
+        # ``_sizes`` (and of the rejected adds and events), so a take() gives back exactly what
+        # put() counted and the backlog returns to 0 once emptied, however often it merged.
+        merged_size = size - _head_bytes(request_id)
+        self._sizes[request_id] += merged_size
+        self._bytes += merged_size
 
     # -- the reader ----------------------------------------------------------------------
 
@@ -252,28 +251,10 @@ class StreamBacklog:
                 num_tokens += 1
         if num_prompt == 0 and num_tokens == 0:
             return None
-        head = EngineOutput(
-            request_id,
-            new_token_ids=out.new_token_ids[:num_tokens],
-            logprobs=out.logprobs[:num_tokens],
-            prompt_logprobs=out.prompt_logprobs[:num_prompt],
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-        )
-        tail = _copy(out)
-        del tail.new_token_ids[:num_tokens], tail.logprobs[:num_tokens], tail.prompt_logprobs[:num_prompt]
+        head, tail = out.split_at(num_prompt, num_tokens)
         self._pending[request_id] = tail
         self._merged.add(request_id)
         old_size = self._sizes[request_id]
         self._sizes[request_id] = output_bytes(tail)
         self._bytes -= old_size - self._sizes[request_id]
         return head
-
-
-def _copy(out: EngineOutput) -> EngineOutput:
-    return dataclasses.replace(
-        out,
-        new_token_ids=list(out.new_token_ids),
-        logprobs=list(out.logprobs),
-        prompt_logprobs=list(out.prompt_logprobs),
-    )

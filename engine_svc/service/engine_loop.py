@@ -6,7 +6,7 @@
 
 Streams talk to it through a queue of small frozen commands; it hands each stream's
 outputs back through the stream's ``sink`` callback, once per turn. A sink must not
-block: the servicer's sink only appends to its stream's bounded backlog, so a slow or
+block: a stream session's sink only appends to its stream's bounded backlog, so a slow or
 stalled reader on one stream never stalls the engine or the other streams. A sink that
 returns True says its reader lags too far behind: the engine pauses that stream's
 requests (``Scheduler.pause_requests``) until the stream asks to resume. Streams that
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from engine_svc.core import EngineCore
 from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
-from engine_svc.sched.kv_events import KvEventLog, snapshot_events, split_events
+from engine_svc.sched.kv_events import snapshot_events, split_events
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
 from engine_svc.types import ErrorCode, FinishReason, RequestError, SamplingParams
 from tandem_common.kv_events import KvEvent
@@ -184,7 +184,7 @@ class EngineLoop:
         if self.events is None:
             self.events = RequestEvents()
             if self.core is not None:
-                self.core.scheduler.observer = self.events
+                self.core.set_observer(self.events)
         self.events.listeners.append(listener)
 
     # -- called from any thread ---------------------------------------------------------
@@ -202,7 +202,7 @@ class EngineLoop:
                 try:
                     self.core = build()
                     if self.events is not None:
-                        self.core.scheduler.observer = self.events
+                        self.core.set_observer(self.events)
                     self.stats = self.core.make_stats()
                 except BaseException as e:  # noqa: BLE001 - handed to the caller of start()
                     failure.append(e)
@@ -281,7 +281,7 @@ class EngineLoop:
     def _run(self) -> None:
         assert self.core is not None
         core = self.core
-        core.structured.on_ready = self._wake
+        core.set_on_grammar_ready(self._wake)
         while True:
             with self._cond:
                 # Requests whose grammar compiles are not work yet: sleep until a compile
@@ -307,8 +307,8 @@ class EngineLoop:
                 if self.events is not None:
                     self.events.after_step()
             stats = self._publish_stats(step_outputs)
-            if core.kv_cache.events is not None:  # before the outputs: blocks first, then who made them
-                self._publish_kv_events(core.kv_cache.events.take(), stats)
+            if core.kv_events_enabled:  # before the outputs: blocks first, then who made them
+                self._publish_kv_events(core.take_kv_events(), stats)
             if (outputs or self._rejected) and self._dispatch(outputs, stats):
                 self._publish_stats([])  # a stream was paused: its requests moved
 
@@ -347,14 +347,13 @@ class EngineLoop:
                 for stream in self._streams.values():
                     self._half_close(stream)
             case SubscribeKvEvents(stream_id, sink, max_hashes) if (stream := self._streams.get(stream_id)) is not None:
-                if core.kv_cache.events is None:
-                    core.kv_cache.events = KvEventLog()
+                core.enable_kv_events()
                 stream.kv_sink, stream.kv_max_hashes = sink, max_hashes
-                for batch in snapshot_events(core.kv_cache.cached_hashes(), max_hashes):
+                for batch in snapshot_events(core.cached_hashes(), max_hashes):
                     sink(batch, self.stats)
             case CloseStream(stream_id) if (stream := self._streams.pop(stream_id, None)) is not None:
                 if stream.kv_sink is not None and not any(s.kv_sink for s in self._streams.values()):
-                    core.kv_cache.events = None  # nobody listens: record nothing
+                    core.disable_kv_events()  # nobody listens: record nothing
                 aborted = core.abort(list(stream.live.values()))
                 for out in aborted:
                     self._owners.pop(out.request_id, None)

@@ -14,19 +14,23 @@ import logging
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_svc.config import EngineConfig
-from engine_svc.service.servicer import EngineServicer
+from engine_svc.service.engine_loop import EngineLoop
+from engine_svc.service.servicer import EngineServicer, LoadedEngine
 from engine_svc.types import ErrorCode, RequestError
-from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.grpc_options import server_options
-from tandem_common.ready import remove_ready_file, write_ready_file
+from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 logger = logging.getLogger(__name__)
 
@@ -57,26 +61,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def model_info(core, config: EngineConfig) -> engine_pb2.GetModelInfoResponse:
-    runner = core.runner
-    info = engine_pb2.GetModelInfoResponse(
-        model_name=core.model_name,
-        max_model_len=core.max_model_len,
-        vocab_size=core.vocab_size,
-        eos_token_ids=list(core.eos_token_ids),
-        dtype=str(runner.dtype).removeprefix("torch."),  # what --dtype auto resolved to
-        block_size=config.block_size,
-        num_kv_blocks=runner.num_kv_blocks,
-        kv_capacity_tokens=runner.num_kv_blocks * config.block_size,
-        architecture=runner.model_args.architecture,
-        device=config.device,
-        block_hash_algorithm=BLOCK_HASH_ALGORITHM,
-    )
-    if runner.bos_token_id is not None:
-        info.bos_token_id = runner.bos_token_id
-    return info
-
-
 class EngineServer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -85,8 +69,8 @@ class EngineServer:
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.server: grpc.aio.Server | None = None
-        self.engine = None
-        self.tracer_provider = None  # set when tracing is on
+        self.engine: EngineLoop | None = None  # set once the model is loaded
+        self.tracer_provider: TracerProvider | None = None  # set when tracing is on
         self.port = 0
         self._stopping = asyncio.Event()
 
@@ -98,6 +82,7 @@ class EngineServer:
 
     async def start(self) -> None:
         cfg = self.config
+        remove_stale_ready_file(cfg.ready_file)
         self.server = grpc.aio.server(options=server_options(cfg.max_message_bytes))
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -126,7 +111,6 @@ class EngineServer:
     async def load(self) -> None:
         """Load the model and warm up off the event loop, then turn SERVING."""
         from engine_svc.core import EngineCore
-        from engine_svc.service.engine_loop import EngineLoop
 
         cfg = self.config
         t0 = time.perf_counter()
@@ -136,17 +120,19 @@ class EngineServer:
             core.warmup()
             return core
 
-        self.engine = EngineLoop()
+        engine = EngineLoop()
         # Built on the thread that will step it (see engine_loop.py on OpenMP pools).
-        await asyncio.to_thread(self.engine.start, build)
-        core = self.engine.core
-        self._observe(self.engine, core.model_name)
-        self.servicer.attach(self.engine, model_info(core, cfg), core.model_dir)
+        await asyncio.to_thread(engine.start, build)
+        core = engine.core
+        assert core is not None  # start(build) returned: the core is built
+        self.engine = engine
+        self._observe(engine, core.model_name)
+        self.servicer.attach(LoadedEngine(engine, core.model_info(), core.model_dir))
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         write_ready_file(cfg.ready_file, service="engine", host=cfg.host, port=self.port, state="serving")
         logger.info("serving (ready %.2f s after start of loading)", time.perf_counter() - t0)
 
-    def _observe(self, engine, model_name: str) -> None:
+    def _observe(self, engine: EngineLoop, model_name: str) -> None:
         """Metrics and tracing, each only when turned on (otherwise nothing is attached)."""
         cfg = self.config
         if cfg.metrics_port:
@@ -202,6 +188,7 @@ class EngineServer:
         if load_task in done and load_task.exception() is not None:
             logger.error("failed to load the model: %s", load_task.exception())
             remove_ready_file(self.config.ready_file)
+            assert self.server is not None  # start() made it
             await self.server.stop(grace=None)
             raise SystemExit(1)
         await stop_task

@@ -7,7 +7,7 @@ import hashlib
 
 import grpc
 
-from frontend_svc.text.tokenizer import TOKENIZER_FILE_NAMES
+from tandem_common.tokenizer_files import TOKENIZER_FILE_NAMES
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 # A ping every 10 s, answered within 10 s (both the keepalive and the general HTTP/2 ping
@@ -22,7 +22,7 @@ TOKENIZER_TIMEOUT_S = 120
 def open_channel(
     address: str, credentials: grpc.ChannelCredentials | None, tls_server_name: str | None, max_message_bytes: int
 ) -> grpc.aio.Channel:
-    options = [
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),

@@ -17,7 +17,10 @@ A hung engine (stopped, or cut off without a TCP reset) is found two ways: HTTP/
 keepalive pings (KEEPALIVE_MS, answered by the engine's gRPC core), and a watchdog that
 ends the session when nothing at all came from the engine for ``stall_timeout_s``: no
 stream message and no answer to GetLoad, which the client asks for every second the
-stream is quiet. A session starts only after the router accepted the engine's model
+stream is quiet. An engine that answers but serves nothing (its step loop stuck) is found
+by the progress watchdog (watchdog.py): its session ends the same way, and until it
+advances a request again it is sent one request at a time (``suspect``), so other
+engines take the traffic. A session starts only after the router accepted the engine's model
 (``accept``): same name, vocabulary and tokenizer files as the first engine accepted.
 
 With a PrefixIndex (prefix-aware routing), each session subscribes to the engine's
@@ -47,7 +50,8 @@ from frontend_svc.engine.channel import (
 )
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.prefix_index import PrefixIndex
-from frontend_svc.engine.types import (
+from frontend_svc.engine.watchdog import ProgressWatchdog
+from frontend_svc.types import (
     EngineLoad,
     EngineRequestTooLargeError,
     EngineUnavailableError,
@@ -63,6 +67,7 @@ logger = logging.getLogger(__name__)
 LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other frontends' load)
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
 DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
+DEFAULT_PROGRESS_TIMEOUT_S = 30.0  # requests waiting this long while nothing advances: a black hole
 REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
 # Adaptive coalescing (see _read): the idle event-loop turns a finished read is looked
 # for, how long a turn may take and still count as idle, and the longest the calls'
@@ -87,6 +92,7 @@ class EngineClient:
         tls_server_name: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
         accept: Callable[[EngineClient, ModelIdentity], str | None] | None = None,
         on_change: Callable[[], None] | None = None,
         index: PrefixIndex | None = None,
@@ -95,12 +101,14 @@ class EngineClient:
         self.connected = False
         self.retiring = False  # vanished from DNS: no new requests, closed once idle
         self.refused: str | None = None  # why the router refuses this engine's model
+        self.suspect = False  # the progress watchdog fired; cleared by its next output
         self.load = EngineLoad()
         self.model_info: ModelInfo | None = None
         self._credentials = credentials
         self._tls_server_name = tls_server_name
         self._max_message_bytes = max_message_bytes
         self._stall_timeout_s = stall_timeout_s
+        self._progress = ProgressWatchdog(progress_timeout_s)
         self._accept = accept
         self._on_change = on_change
         self._index = index
@@ -128,7 +136,8 @@ class EngineClient:
 
     @property
     def available(self) -> bool:
-        return self.connected and not self.load.draining and not self.retiring and self.refused is None
+        ready = self.connected and not self.load.draining and not self.retiring and self.refused is None
+        return ready and not (self.suspect and self._requests)  # a suspect engine: one request at a time
 
     @property
     def load_tokens(self) -> int:
@@ -210,6 +219,8 @@ class EngineClient:
         self.model_info = model_info
         outbox: asyncio.Queue = asyncio.Queue()
         if self.predicts_prefix_hits:
+            assert self._index is not None
+            self._index.set_capacity(self.address, model_info.num_kv_blocks)
             outbox.put_nowait(convert.subscribe_kv_events())
         elif self._index is not None:
             logger.warning(
@@ -280,6 +291,14 @@ class EngineClient:
             elif not pending.cancelled():
                 pending.exception()  # retrieved: the session's end reports it, not asyncio
 
+    def _wake(self, handle: RequestHandle) -> None:
+        """Wakes ``handle``'s reader: at once with a fixed stream interval, else once the
+        stream's messages that are already here are read (adaptive coalescing, see _read)."""
+        if handle.stream_interval:
+            handle.wakeup.set()
+        else:
+            self.wake_soon(handle.wakeup)
+
     def wake_soon(self, wakeup: asyncio.Event) -> None:
         """Sets ``wakeup`` once the stream's messages that are already here are read."""
         self._wake_soon[wakeup] = None
@@ -296,6 +315,16 @@ class EngineClient:
         while True:
             await asyncio.sleep(LOAD_POLL_S)
             silent_s = time.monotonic() - self._last_heard_s
+            stalled = self._progress.stalled(time.monotonic())
+            if stalled is not None:
+                self._hung = stalled
+                if not self.suspect:
+                    self.suspect = True
+                    logger.warning(
+                        "engine %s: %s; it gets one request at a time until it advances one", self.address, stalled
+                    )
+                call.cancel()
+                return
             if silent_s > self._stall_timeout_s:
                 self._hung = (
                     f"the engine sent nothing and answered no GetLoad for {silent_s:.1f} s with "
@@ -334,7 +363,9 @@ class EngineClient:
 
     def _set_load(self, load: engine_pb2.EngineLoad) -> None:
         was_draining = self.load.draining
-        self.load = convert.engine_load(load)
+        previous, self.load = self.load, convert.engine_load(load)
+        if self.load != previous:
+            self._progress.progressed()
         self._last_load_s = time.monotonic()
         if self.load.draining != was_draining:
             logger.info("engine %s %s", self.address, "is draining" if self.load.draining else "accepts requests again")
@@ -353,6 +384,11 @@ class EngineClient:
             )
         if response.kv_events and self._index is not None:  # blocks first, then the outputs
             self._index.apply(self.address, convert.kv_events(response.kv_events))
+        if response.outputs:
+            self._progress.progressed()
+            if self.suspect:
+                self.suspect = False
+                logger.info("engine %s advances requests again", self.address)
         for o in response.outputs:
             self._started(o.request_id)
             handle = self._requests.get(o.request_id)
@@ -362,12 +398,15 @@ class EngineClient:
             out = convert.engine_output(o)
             if out.finished:
                 del self._requests[o.request_id]
-            handle.deliver(out)
+            if handle.deliver(out):
+                self._wake(handle)
 
     def _started(self, request_id: str) -> None:
         self._unstarted_tokens -= self._unstarted.pop(request_id, 0)
+        self._progress.started(request_id)
 
     def _fail_all(self, reason: str) -> None:
+        self._progress.clear()
         self._unstarted.clear()
         self._unstarted_tokens = 0
         requests, self._requests = self._requests, {}
@@ -413,10 +452,11 @@ class EngineClient:
                 "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
                 "logit_bias entries or stop token ids"
             )
-        handle = RequestHandle(request_id, self, wakeup, stream_interval)
+        handle = RequestHandle(request_id, wakeup, stream_interval)
         self._requests[request_id] = handle
         self._outbox.put_nowait(message)
         self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
+        self._progress.sent(request_id)
         self._unstarted_tokens += self._unstarted[request_id]
         return handle
 

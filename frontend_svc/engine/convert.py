@@ -12,7 +12,7 @@ knows the engine's protobuf types; everything past it sees plain dataclasses.
 
 from __future__ import annotations
 
-from frontend_svc.engine.types import EngineError, EngineLoad, EngineOutput, ModelInfo
+from frontend_svc.types import EngineLoad, EngineOutput, ModelInfo, RequestError
 from tandem_common.kv_events import BlocksRemoved, BlocksStored, CacheSnapshot, KvEvent
 from tandem_common.sampling import SamplingParams, StructuredOutput
 from tandem_common.types import ErrorCode, FinishReason, Logprob
@@ -129,7 +129,7 @@ def engine_output(o: engine_pb2.RequestOutput) -> EngineOutput:
     if o.HasField("stop_token_id"):
         out.stop_token_id = o.stop_token_id
     if o.HasField("error"):
-        out.error = EngineError(_ERROR.get(o.error.code, ErrorCode.INTERNAL), o.error.message, o.error.field)
+        out.error = RequestError(_ERROR.get(o.error.code, ErrorCode.INTERNAL), o.error.message, o.error.field)
     return out
 
 
@@ -171,5 +171,6 @@ def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         eos_token_ids=list(info.eos_token_ids),
         bos_token_id=info.bos_token_id if info.HasField("bos_token_id") else None,
         block_size=info.block_size or 16,
+        num_kv_blocks=info.num_kv_blocks,
         block_hash_algorithm=info.block_hash_algorithm,
     )

@@ -1,41 +1,37 @@
 """The frontend's end of one engine request: outputs in from the stream, merged until read.
 
     EngineClient._on_response ── deliver(out) ──▶ RequestHandle ── take() / async for ──▶ servicer
+                 ◀── True: "wake the reader" ──┘
     EngineClient._fail_all    ── fail(error) ───▶               (raises after pending outputs)
 
-A handle never talks to the network itself: its client delivers to it and sends its abort.
+A handle knows nobody (as vLLM's RequestOutputCollector): its client delivers to it and
+wakes its reader, and the reader asks the client, not the handle, to abort.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
-from frontend_svc.engine.types import EngineOutput
-
-if TYPE_CHECKING:
-    from frontend_svc.engine.client import EngineClient
+from frontend_svc.types import EngineOutput
 
 
 class RequestHandle:
     """The frontend's end of one engine request.
 
     Outputs that arrive before the consumer reads are merged into one (so a slow
-    consumer gets one coalesced delta, not a growing queue). ``wakeup`` is set when the
-    reader should look: on the first output, the last one, an error, and whenever
-    ``stream_interval`` tokens are pending. With ``stream_interval`` 0 (adaptive, the
-    default) every delivery asks for a wake-up, but the client sets the event only once it
-    has read what the engine stream holds (``EngineClient.wake_soon``): a frontend that
-    lags reads several engine messages before its calls write, so each write carries all
-    the tokens that arrived meanwhile. Several handles may share one event so that a
-    caller waits on all of them. Iterate (``async for``) only when the event is not shared.
+    consumer gets one coalesced delta, not a growing queue). ``deliver`` answers True when
+    the reader should look: on the first output, the last one, an error, and whenever
+    ``stream_interval`` tokens are pending; the deliverer then sets ``wakeup``, at once
+    with a fixed ``stream_interval``, or with 0 (adaptive, the default) once it has read
+    what the engine stream holds (``EngineClient.wake_soon``): a frontend that lags reads
+    several engine messages before its calls write, so each write carries all the tokens
+    that arrived meanwhile. ``fail`` sets it at once. Several handles may share one event
+    so that a caller waits on all of them. Iterate (``async for``) only when the event is
+    not shared.
     """
 
-    def __init__(
-        self, request_id: str, client: EngineClient, wakeup: asyncio.Event | None, stream_interval: int = 0
-    ) -> None:
+    def __init__(self, request_id: str, wakeup: asyncio.Event | None = None, stream_interval: int = 0) -> None:
         self.request_id = request_id
-        self.client = client
         self.wakeup = wakeup or asyncio.Event()
         self.finished = False  # the engine confirmed the end
         self.aborted = False  # abort sent; outputs are dropped from now on
@@ -47,12 +43,13 @@ class RequestHandle:
 
     # -- the client's side -----------------------------------------------------------------
 
-    def deliver(self, out: EngineOutput) -> None:
-        """One output from the engine; a finished one confirms the end (also after an abort)."""
+    def deliver(self, out: EngineOutput) -> bool:
+        """One output from the engine; a finished one confirms the end (also after an abort).
+        True when the reader should be woken (the caller sets ``wakeup``)."""
         if out.finished:
             self.finished = True
         if self.aborted:
-            return
+            return False
         if self._pending is None:
             self._pending = out
         else:
@@ -65,10 +62,8 @@ class RequestHandle:
             or len(pending.new_token_ids) >= max(self.stream_interval, 1)
         ):
             self._woken = True
-            if self.stream_interval:
-                self.wakeup.set()
-            else:
-                self.client.wake_soon(self.wakeup)
+            return True
+        return False
 
     def fail(self, error: Exception) -> None:
         """The request is lost (its stream broke): ``take()`` raises ``error`` once the outputs
@@ -87,9 +82,6 @@ class RequestHandle:
                 raise self._error
             self.wakeup.set()
         return out
-
-    def abort(self, *, stop_string: bool = False) -> None:
-        self.client.abort([self.request_id], stop_string=stop_string)
 
     def __aiter__(self) -> RequestHandle:
         return self

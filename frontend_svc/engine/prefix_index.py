@@ -12,15 +12,27 @@ first and stops, per engine, at the first it lacks, as the engine's own lookup d
 Memory: one dict entry per distinct hash (an int bitmask of engines) plus one set entry
 per (engine, hash), about 150 bytes per cached block per engine. An engine with 1 GiB of
 KV at 16 tokens a block can hold ~65k blocks: ~10 MB of index per such engine.
+
+Bound: an engine cannot cache more blocks than its pool has, so the index holds at most
+the ``num_kv_blocks`` its model info reports (``set_capacity``), and never more than
+MAX_BLOCKS_PER_ENGINE (~150 MB), which also bounds an engine that reports none or an
+absurd pool. Hashes past the bound are dropped, counted (``num_dropped``, a metric) and
+warned about once per session: whatever speaks the engine protocol cannot make the
+frontend's memory grow without limit. Dropped hashes only cost predictions.
 No grpc here: the client converts the engine's protobuf events into tandem_common values.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 from tandem_common.block_hash import BlockHash
 from tandem_common.kv_events import BlocksRemoved, BlocksStored, CacheSnapshot, KvEvent
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOCKS_PER_ENGINE = 1 << 20  # whatever an engine reports: ~150 MB of index at most
 
 
 class PrefixIndex:
@@ -29,6 +41,15 @@ class PrefixIndex:
         self._blocks: dict[str, set[BlockHash]] = {}  # engine -> the hashes it holds
         self._slots: dict[str, int] = {}  # engine -> its bit
         self._synced: set[str] = set()  # engines whose snapshot arrived whole
+        self._capacity: dict[str, int] = {}  # engine -> most hashes kept of it
+        self._warned: set[str] = set()  # engines told about dropped hashes this session
+        self.num_dropped = 0  # hashes dropped past an engine's capacity, ever
+
+    def set_capacity(self, engine: str, num_kv_blocks: int) -> None:
+        """Keep at most ``num_kv_blocks`` hashes of ``engine`` (its pool; 0: it names none)."""
+        self._capacity[engine] = (
+            min(num_kv_blocks, MAX_BLOCKS_PER_ENGINE) if num_kv_blocks > 0 else MAX_BLOCKS_PER_ENGINE
+        )
 
     # -- updates ---------------------------------------------------------------------------
 
@@ -50,6 +71,7 @@ class PrefixIndex:
         """Forget everything ``engine`` held (its stream ended; a new one starts from a snapshot)."""
         hashes = self._blocks.pop(engine, set())
         self._synced.discard(engine)
+        self._warned.discard(engine)
         slot = self._slots.pop(engine, None)
         if slot is None:
             return
@@ -110,9 +132,25 @@ class PrefixIndex:
         bit = 1 << self._slot(engine)
         held = self._blocks[engine]
         holders = self._holders
+        capacity = self._capacity.get(engine, MAX_BLOCKS_PER_ENGINE)
+        dropped = 0
         for h in hashes:
+            if len(held) >= capacity and h not in held:
+                dropped += 1
+                continue
             held.add(h)
             holders[h] = holders.get(h, 0) | bit
+        if dropped:
+            self.num_dropped += dropped
+            if engine not in self._warned:
+                self._warned.add(engine)
+                logger.warning(
+                    "engine %s published more prefix-cache blocks than the %d its pool holds; %d dropped "
+                    "(tandem_frontend_prefix_index_dropped_blocks counts them), routing predicts fewer hits to it",
+                    engine,
+                    capacity,
+                    dropped,
+                )
 
     def _discard(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         slot = self._slots.get(engine)

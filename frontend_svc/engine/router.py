@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from frontend_svc.engine.client import DEFAULT_STALL_TIMEOUT_S, EngineClient
+from frontend_svc.engine.client import DEFAULT_PROGRESS_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, EngineClient
 from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.routing import (
     DEFAULT_LOAD_THRESHOLD_TOKENS,
@@ -28,7 +28,7 @@ from frontend_svc.engine.routing import (
     choose_by_prefix,
     least_loaded,
 )
-from frontend_svc.engine.types import EngineUnavailableError, ModelIdentity, ModelInfo
+from frontend_svc.types import EngineUnavailableError, ModelIdentity, ModelInfo
 from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class EngineRouter:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
         policy: RoutingPolicy = RoutingPolicy.LEAST_LOAD,
         load_threshold_tokens: int = DEFAULT_LOAD_THRESHOLD_TOKENS,
     ) -> None:
@@ -101,6 +102,7 @@ class EngineRouter:
         self._credentials = credentials
         self._max_message_bytes = max_message_bytes
         self._stall_timeout_s = stall_timeout_s
+        self._progress_timeout_s = progress_timeout_s
         self.identity: ModelIdentity | None = None  # of the first engine accepted
         self.policy = policy
         self.load_threshold_tokens = load_threshold_tokens
@@ -244,6 +246,7 @@ class EngineRouter:
             tls_server_name=tls_server_name,
             max_message_bytes=self._max_message_bytes,
             stall_timeout_s=self._stall_timeout_s,
+            progress_timeout_s=self._progress_timeout_s,
             accept=self._accept,
             on_change=self._changed,
             index=self.index,
@@ -263,21 +266,21 @@ class EngineRouter:
         for name, port in self._dns:
             try:
                 infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-                resolved[(name, port)] = {_join_host_port(info[4][0], port) for info in infos}
+                resolved[(name, port)] = {_join_host_port(str(info[4][0]), port) for info in infos}
             except OSError as e:
                 resolved[(name, port)] = self._resolved.get((name, port), set())
                 logger.warning(
                     "cannot resolve %s: %s; keeping its %d known engines", name, e, len(resolved[(name, port)])
                 )
         self._resolved = resolved
-        wanted = {a: None for a in self._static}
+        wanted: dict[str, str | None] = {a: None for a in self._static}  # address -> its DNS name
         for (name, _), addresses in self._resolved.items():
             wanted.update({a: name for a in addresses if a not in wanted})
-        for address, name in wanted.items():
+        for address, dns_name in wanted.items():
             client = self._clients.get(address)
             if client is None:
-                logger.info("engine %s discovered (%s)", address, name)
-                self._add_client(address, name)
+                logger.info("engine %s discovered (%s)", address, dns_name)
+                self._add_client(address, dns_name)
             elif client.retiring:
                 client.retiring = False
         for address, client in list(self._clients.items()):

@@ -8,15 +8,16 @@
 
 With the servicer this is the only frontend code that knows the public protobuf types.
 Fields whose "unset" differs from zero are read with HasField, so an unset field gets
-its documented default, never zero.
+its documented default, never zero. The token-level sampling fields are read by
+``tandem_common.sampling_proto``, the same function the engine reads its protocol with.
 """
 
 from __future__ import annotations
 
-from frontend_svc.engine.types import ModelInfo
 from frontend_svc.service.planning import Chat, GenerateInput, RequestSizes
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
-from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
+from frontend_svc.types import ModelInfo
+from tandem_common.sampling_proto import sampling_params_from_proto
 from tandem_common.types import FinishReason
 from tandem_protos.tandem.generate.v1 import generate_pb2
 
@@ -49,24 +50,7 @@ def request_sizes(request: generate_pb2.GenerateRequest) -> RequestSizes:
 def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
     sp = request.sampling_params
     which = request.WhichOneof("input")
-    params = SamplingParams(
-        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        min_tokens=sp.min_tokens,
-        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-        seed=sp.seed if sp.HasField("seed") else None,
-        stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
-        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
-        logit_bias=dict(sp.logit_bias),
-        structured=structured_output(sp),
-    )
+    params = sampling_params_from_proto(sp)  # the token-level fields, read as the engine reads them
     return GenerateInput(
         input=which,
         text=request.text,
@@ -81,34 +65,6 @@ def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
         return_token_ids=request.return_token_ids,
         priority=request.priority,
-    )
-
-
-_GRAMMAR_SYNTAX = {
-    generate_pb2.GRAMMAR_SYNTAX_UNSPECIFIED: "lark",
-    generate_pb2.GRAMMAR_SYNTAX_LARK: "lark",
-    generate_pb2.GRAMMAR_SYNTAX_GBNF: "gbnf",
-}
-_JSON_WHITESPACE = {
-    generate_pb2.JSON_WHITESPACE_UNSPECIFIED: "compact",
-    generate_pb2.JSON_WHITESPACE_COMPACT: "compact",
-    generate_pb2.JSON_WHITESPACE_FLEXIBLE: "flexible",
-}
-
-
-def structured_output(sp: generate_pb2.SamplingParams) -> StructuredOutput | None:
-    """The ``constraint`` oneof and its options (checked later by planning). Two
-    constraints at once cannot reach here: protobuf keeps the last member of a oneof."""
-    kind = sp.WhichOneof("constraint")
-    if kind is None or (kind == "json_object" and not sp.json_object):
-        return None
-    return StructuredOutput(
-        kind=kind,
-        text=sp.grammar.text if kind == "grammar" else sp.json_schema if kind == "json_schema" else sp.regex,
-        choices=tuple(sp.choice.choices),
-        grammar_syntax=_GRAMMAR_SYNTAX.get(sp.grammar.syntax, str(sp.grammar.syntax)),
-        json_whitespace=_JSON_WHITESPACE.get(sp.json_whitespace, str(sp.json_whitespace)),
-        json_lenient=sp.json_lenient,
     )
 
 
@@ -137,6 +93,7 @@ def generate_response(piece: ChoiceOutput, return_token_ids: bool) -> generate_p
             response.stop_str = piece.stop_str
         elif piece.stop_token_id is not None:
             response.stop_token_id = piece.stop_token_id
+    if piece.usage is not None:  # set on every finished piece
         u = piece.usage
         response.usage.CopyFrom(
             generate_pb2.Usage(

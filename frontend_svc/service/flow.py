@@ -1,6 +1,7 @@
 """Generate calls in progress: the concurrent-call limit and the watch on clients that stopped reading.
 
-    Generate ── calls.enter() ──▶ Call          (RESOURCE_EXHAUSTED past --max-concurrent-calls)
+    Generate ── calls.enter(context) ──▶ Call   (RESOURCE_EXHAUSTED past --max-concurrent-calls,
+                                                 or past the client's share: fair_share.py)
              ── call.write(response) ...        (time-stamped while the write waits)
              ── calls.leave(call)
     sweeper (every second or so) ── a write waiting past --stalled-client-timeout-s ──▶ call task cancelled
@@ -18,7 +19,8 @@ import asyncio
 import logging
 import time
 
-from frontend_svc.service.planning import RequestError
+from frontend_svc.service.fair_share import FairShare, client_of
+from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -27,10 +29,11 @@ logger = logging.getLogger(__name__)
 class Call:
     """One Generate call in progress."""
 
-    __slots__ = ("task", "writing_since", "stalled")
+    __slots__ = ("task", "writing_since", "stalled", "client")
 
-    def __init__(self, task: asyncio.Task | None) -> None:
+    def __init__(self, task: asyncio.Task | None, client: str = "") -> None:
         self.task = task
+        self.client = client  # who called (fair_share.client_of); "" when shares are off
         self.writing_since = 0.0  # monotonic time a write began; 0 while none waits
         self.stalled = False  # cancelled by the sweeper: the client stopped reading
 
@@ -41,12 +44,18 @@ class Call:
 
 
 class InFlightCalls:
-    """The Generate calls in progress, at most ``max_calls`` (0: no limit); writes that
-    wait longer than ``stalled_timeout_s`` (0: never) cancel their call."""
+    """The Generate calls in progress, at most ``max_calls`` (0: no limit) and at most
+    ``max_calls_per_client`` of one client (0: no limit; ``keyed``: clients are told apart
+    by API key, else by address); writes that wait longer than ``stalled_timeout_s`` (0:
+    never) cancel their call."""
 
-    def __init__(self, max_calls: int = 0, stalled_timeout_s: float = 0.0) -> None:
+    def __init__(
+        self, max_calls: int = 0, stalled_timeout_s: float = 0.0, *, max_calls_per_client: int = 0, keyed: bool = False
+    ) -> None:
         self.max_calls = max_calls
         self.stalled_timeout_s = stalled_timeout_s
+        self.fair_share = FairShare(max_calls_per_client)
+        self._keyed = keyed
         self._calls: set[Call] = set()
         self._sweeper: asyncio.Task | None = None
 
@@ -54,21 +63,28 @@ class InFlightCalls:
     def num_calls(self) -> int:
         return len(self._calls)
 
-    def enter(self) -> Call:
-        """Admits a call, or raises RequestError(RESOURCE_EXHAUSTED) when the limit is reached."""
+    def enter(self, context=None) -> Call:
+        """Admits a call (``context``: its gRPC context, which names the client), or raises
+        CallError(RESOURCE_EXHAUSTED) when the limit or the client's share is reached."""
         if self.max_calls and len(self._calls) >= self.max_calls:
-            raise RequestError(
+            raise CallError(
                 ErrorCode.RESOURCE_EXHAUSTED,
                 f"this frontend is serving its limit of {self.max_calls} concurrent Generate calls "
                 "(--max-concurrent-calls); retry later or on another frontend replica",
             )
-        call = Call(asyncio.current_task())
+        client = ""
+        if self.fair_share.max_calls_per_client and context is not None:
+            client = client_of(context.invocation_metadata(), context.peer(), keyed=self._keyed)
+            self.fair_share.enter(client)
+        call = Call(asyncio.current_task(), client)
         self._calls.add(call)
         if self.stalled_timeout_s and self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="stalled-client sweeper")
         return call
 
     def leave(self, call: Call) -> None:
+        if call in self._calls and call.client:
+            self.fair_share.leave(call.client)
         self._calls.discard(call)
 
     def stalled_message(self) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
@@ -111,6 +111,10 @@ class FrontendMetrics:
         """Per-engine gauges read at scrape time: ``loads()`` -> {address: (load tokens, index blocks)}."""
         self.registry.register(_EngineCollector(loads))
 
+    def watch_prefix_index(self, num_dropped: Callable[[], int]) -> None:
+        """The prefix index's dropped hashes, read at scrape time."""
+        self.registry.register(_DroppedBlocksCollector(num_dropped))
+
     def serve(self, port: int, host: str) -> None:
         serve_metrics(port, self.registry, host=host)
 
@@ -150,3 +154,16 @@ class _EngineCollector(Collector):
             load.add_metric([engine], tokens)
             blocks.add_metric([engine], num_blocks)
         return [load, blocks]
+
+
+class _DroppedBlocksCollector(Collector):
+    def __init__(self, num_dropped: Callable[[], int]) -> None:
+        self._num_dropped = num_dropped
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "tandem_frontend_prefix_index_dropped_blocks",
+            "Prefix-cache block hashes an engine published past the blocks its pool holds, dropped by the index",
+        )
+        family.add_metric([], self._num_dropped())
+        return [family]

@@ -1,9 +1,9 @@
-"""Generate requests checked and planned, in plain values: GenerateInput -> Plan, or a RequestError.
+"""Generate requests checked and planned, in plain values: GenerateInput -> Plan, or a CallError.
 
     GenerateRequest ── convert.request_sizes() ──▶ RequestSizes ── check_sizes()    (lengths only, O(1))
     GenerateRequest ── convert.generate_input() ──▶ GenerateInput
     GenerateInput ── plan_generate() ──▶ Plan      (prompt tokenized, every field checked)
-                                    └──▶ RequestError(code, "field: what to fix")
+                                    └──▶ CallError(code, "field: what to fix")
 
 Every size is checked before the work it would make expensive: the lengths of repeated
 fields before anything is copied, the length of a text before it is tokenized, the
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from frontend_svc.engine.types import ModelInfo
+from frontend_svc.text.chat_roles import check_roles
 from frontend_svc.text.output_processor import TextParams
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.types import CallError, ModelInfo
 from tandem_common.sampling import SamplingParams, check_sampling_params
 from tandem_common.sampling import check_sizes as check_sampling_sizes
 from tandem_common.types import ErrorCode
@@ -34,16 +35,8 @@ MAX_REQUEST_ID_CHARS = 256  # a client's request_id; it goes into every log line
 MAX_DETOKENIZE_IDS = 1 << 20  # token ids of one Detokenize call
 
 
-class RequestError(Exception):
-    """Ends a call with the gRPC status named by ``code`` and a message that says what to fix."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def invalid(field: str, message: str) -> RequestError:
-    return RequestError(ErrorCode.INVALID_ARGUMENT, f"{field}: {message}")
+def invalid(field: str, message: str) -> CallError:
+    return CallError(ErrorCode.INVALID_ARGUMENT, f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -147,10 +140,10 @@ def check_num_messages(field: str, num_messages: int) -> None:
 
 
 def plan_generate(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo, limits: RequestLimits) -> Plan:
-    """Tokenizes the prompt and checks every field; raises RequestError for the first problem.
+    """Tokenizes the prompt and checks every field; raises CallError for the first problem.
     The sizes are checked already (``check_sizes``)."""
-    which = request.input
     prompt = _prompt(request, tokenizer, info)
+    which = request.input or "input"  # set: _prompt refuses a request without one
     if not prompt:
         raise invalid(which, "the prompt is empty after tokenization")
     if len(prompt) >= info.max_model_len:
@@ -263,6 +256,9 @@ def render_chat(chat: Chat, tokenizer: Tokenizer, max_model_len: int | None) -> 
         raise invalid("messages", "the model has no chat template; send text or token_ids instead")
     if not chat.messages:
         raise invalid("messages.messages", "the conversation has no messages")
+    bad_role = check_roles(chat.messages, tokenizer.special_tokens)
+    if bad_role is not None:
+        raise invalid(f"messages.messages[{bad_role[0]}].role", bad_role[1])
     try:
         text = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt)
     except ValueError as e:

@@ -33,7 +33,7 @@ from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import RequestLimits
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
-from tandem_common.ready import remove_ready_file, write_ready_file
+from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
@@ -106,11 +106,14 @@ class FrontendServer:
             credentials=credentials,
             max_message_bytes=config.max_message_bytes,
             stall_timeout_s=config.engine_stall_timeout_s,
+            progress_timeout_s=config.engine_progress_timeout_s,
             policy=RoutingPolicy(config.routing_policy),
             load_threshold_tokens=config.routing_load_threshold,
         )
         self.metrics = FrontendMetrics()
         self.metrics.watch_engines(self.router.engine_figures)
+        if self.router.index is not None:
+            self.metrics.watch_prefix_index(lambda: self.router.index.num_dropped if self.router.index else 0)
         self.tracer_provider = setup_tracing("tandem-frontend", config.otlp_endpoint)  # None: tracing off
         tracer = self.tracer_provider.get_tracer("frontend_svc") if self.tracer_provider is not None else None
         self.servicer = generate.GenerateServiceServicer(
@@ -120,7 +123,12 @@ class FrontendServer:
                 max_stop_strings=config.max_stop_strings,
                 max_stop_string_chars=config.max_stop_string_chars,
             ),
-            calls=InFlightCalls(config.max_concurrent_calls, config.stalled_client_timeout_s),
+            calls=InFlightCalls(
+                config.max_concurrent_calls,
+                config.stalled_client_timeout_s,
+                max_calls_per_client=config.calls_per_client,
+                keyed=bool(config.api_keys or config.api_key_file),
+            ),
             stream_interval=config.stream_interval,
             metrics=self.metrics,
             tracer=tracer,
@@ -134,6 +142,7 @@ class FrontendServer:
 
     async def start(self) -> None:
         cfg = self.config
+        remove_stale_ready_file(cfg.ready_file)
         if cfg.tokenizer:
             self.servicer.set_tokenizer(Tokenizer.from_dir(cfg.tokenizer))
             logger.info("tokenizer loaded from %s", cfg.tokenizer)
@@ -160,7 +169,7 @@ class FrontendServer:
         )
         await self._set_health(False)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
+        if cfg.tls_cert and cfg.tls_key:  # the config holds both or neither
             creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
             self.port = self.server.add_secure_port(address, creds)
         else:

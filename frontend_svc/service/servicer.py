@@ -5,7 +5,7 @@
     engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
            ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
 
-Errors follow the proto's contract: a RequestError ends the call with the gRPC status its
+Errors follow the proto's contract: a CallError ends the call with the gRPC status its
 ErrorCode names (INVALID_ARGUMENT names the field), UNAVAILABLE when no engine can serve
 or the serving one went away; engine in-band errors pass through with their own code. An
 engine that refuses (draining) or fails (dies, hangs) before anything was streamed to the
@@ -23,15 +23,15 @@ import uuid
 
 import grpc
 
+from frontend_svc.engine.client import EngineClient
+from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
-from frontend_svc.engine.types import EngineRequestTooLargeError, EngineUnavailableError, ModelInfo
 from frontend_svc.service import convert
 from frontend_svc.service.flow import Call, InFlightCalls
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
     Plan,
-    RequestError,
     RequestLimits,
     check_ids,
     check_num_messages,
@@ -45,13 +45,20 @@ from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
 from frontend_svc.text.output_processor import ChoiceProcessor, TokenTexts
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.types import (
+    CallError,
+    EngineRequestTooLargeError,
+    EngineUnavailableError,
+    ModelInfo,
+    RequestError,
+)
 from tandem_common.types import ErrorCode
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
-class EngineRefused(RequestError):
+class EngineRefused(CallError):
     """An engine refused the request because it is draining (in-band UNAVAILABLE)."""
 
 
@@ -76,15 +83,18 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.calls = calls if calls is not None else InFlightCalls()
         self.metrics = metrics or FrontendMetrics()
         self.tracer = tracer  # None: tracing is off and no span is ever made
-        self.tokenizer: Tokenizer | None = None
         self.tokenizer_problem: str | None = None  # why there is no tokenizer, when it is for good
+        # The tokenizer with its cache of single-token texts, one value: None until it is loaded.
         self._texts: TokenTexts | None = None
         # Long tokenizations run on worker threads, at most one per core at once: more would
         # not finish sooner, and each holds ~100 bytes of memory per character of text.
         self._heavy = asyncio.Semaphore(os.cpu_count() or 1)
 
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return None if self._texts is None else self._texts.tokenizer
+
     def set_tokenizer(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
         self._texts = TokenTexts(tokenizer)
 
     # -- Generate ---------------------------------------------------------------------------
@@ -94,7 +104,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         code, message = grpc.StatusCode.CANCELLED, ""
         call: Call | None = None
         try:
-            call = self.calls.enter()
+            call = self.calls.enter(context)
             tokenizer, info = self._ready()
             check_sizes(convert.request_sizes(request), self.limits, info)
             plan = await self._off_loop(request, self._plan, request, tokenizer, info)
@@ -102,7 +112,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
             await self._serve(plan, call, request, context, stats)
             code = grpc.StatusCode.OK
-        except RequestError as e:
+        except CallError as e:
             code, message = _status(e.code), str(e)
         except EngineUnavailableError as e:
             code, message = grpc.StatusCode.UNAVAILABLE, str(e)
@@ -126,7 +136,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         refuses or fails before anything was written to the client."""
         # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
         prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
-        sent, tried = False, []
+        sent = False
+        tried: list[EngineClient] = []
         failure: Exception | None = None
         while True:
             try:
@@ -157,9 +168,10 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _stream(self, plan: Plan, route: Route, request, context, stats: GenerateStats):
         client = route.client
         wakeup = asyncio.Event()
-        handles = []
+        handles: list[RequestHandle] = []
+        texts = self._token_texts()
         choices = [
-            ChoiceProcessor(i, self.tokenizer, plan.prompt_token_ids, plan.text_params(i), self._texts)
+            ChoiceProcessor(i, texts.tokenizer, plan.prompt_token_ids, plan.text_params(i), texts)
             for i in range(plan.n)
         ]
 
@@ -211,13 +223,13 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                         if piece is None:
                             continue
                         if piece.abort_engine:  # a stop string ended it: the engine counts a stop
-                            handles[i].abort(stop_string=True)
+                            client.abort([handles[i].request_id], stop_string=True)
                         if piece.finished:
                             unfinished.discard(i)
                         stats.piece(piece)
                         yield convert.generate_response(piece, plan.text.return_token_ids)
         except EngineRequestTooLargeError as e:
-            raise RequestError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
+            raise CallError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
         finally:
             abort_unfinished()
             stats.generated(sum(c.num_output_tokens for c in choices))
@@ -225,7 +237,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _ready(self) -> tuple[Tokenizer, ModelInfo]:
         info = self.router.model_info
         if info is None:
-            raise RequestError(ErrorCode.UNAVAILABLE, "no engine is connected yet; retry later")
+            raise CallError(ErrorCode.UNAVAILABLE, "no engine is connected yet; retry later")
         return self._tokenizer(), info
 
     # -- unary RPCs ---------------------------------------------------------------------------
@@ -233,7 +245,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     @traced("Tokenize")
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
-            tokenizer = self._tokenizer()
+            texts = self._token_texts()
+            tokenizer = texts.tokenizer
             info = self.router.model_info
             max_model_len = info.max_model_len if info is not None else None
             which = request.WhichOneof("input")
@@ -249,9 +262,9 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
             else:
                 raise invalid("input", "set text or messages")
-        except RequestError as e:
+        except CallError as e:
             await context.abort(_status(e.code), str(e))
-        tokens = await self._off_loop(request, lambda: [self._texts(t) for t in ids])
+        tokens = await self._off_loop(request, lambda: [texts(t) for t in ids])
         return generate_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     @traced("Detokenize")
@@ -263,7 +276,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                     "token_ids", f"at most {MAX_DETOKENIZE_IDS} ids are allowed, got {len(request.token_ids)}"
                 )
             await self._off_loop(request, check_ids, "token_ids", request.token_ids, tokenizer.vocab_size)
-        except RequestError as e:
+        except CallError as e:
             await context.abort(_status(e.code), str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await self._off_loop(request, tokenizer.decode, list(request.token_ids), skip)
@@ -272,20 +285,23 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     @traced("GetModelInfo")
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext):
         info = self.router.model_info
-        if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
-        return convert.model_info_response(
-            info,
-            has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
-            num_engines=self.router.num_connected,
-        )
+        if info is not None:
+            return convert.model_info_response(
+                info,
+                has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+                num_engines=self.router.num_connected,
+            )
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
+
+    def _token_texts(self) -> TokenTexts:
+        if self._texts is None:
+            if self.tokenizer_problem is not None:
+                raise CallError(ErrorCode.FAILED_PRECONDITION, self.tokenizer_problem)
+            raise CallError(ErrorCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
+        return self._texts
 
     def _tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            if self.tokenizer_problem is not None:
-                raise RequestError(ErrorCode.FAILED_PRECONDITION, self.tokenizer_problem)
-            raise RequestError(ErrorCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
-        return self.tokenizer
+        return self._token_texts().tokenizer
 
     async def _off_loop(self, request, fn, *args):
         """``fn(*args)`` on a worker thread when the request is large (see _OFF_LOOP_BYTES)."""
@@ -302,12 +318,12 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
 _OFF_LOOP_BYTES = 4096
 
 
-def _engine_error(error) -> RequestError:
+def _engine_error(error: RequestError) -> CallError:
     """An engine's in-band error as the call's error (EngineRefused: it is draining)."""
     message = error.message
     if error.field and error.field not in message:
         message = f"{error.field}: {message}"
-    return (EngineRefused if error.code is ErrorCode.UNAVAILABLE else RequestError)(error.code, message)
+    return (EngineRefused if error.code is ErrorCode.UNAVAILABLE else CallError)(error.code, message)
 
 
 def _ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from frontend_svc.config import FrontendConfig
 from tandem_common.parent_death import die_with_parent
-from tandem_common.ready import read_ready_file, remove_ready_file, write_ready_file
+from tandem_common.ready import read_ready_file, remove_ready_file, remove_stale_ready_file, write_ready_file
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ STOP_GRACE_S = 10.0  # past --shutdown-timeout, a worker still running is killed
 
 def run_workers(config: FrontendConfig) -> int:
     """Runs ``config.workers`` workers until a signal (0) or until one of them exits (1)."""
+    remove_stale_ready_file(config.ready_file)
     run_dir = Path(tempfile.mkdtemp(prefix="tandem-frontend-"))
     metrics_dir = run_dir / "metrics"
     metrics_dir.mkdir()

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from frontend_svc.engine.types import EngineOutput
 from frontend_svc.text.detokenizer import IncrementalDetokenizer
 from frontend_svc.text.stop_checker import StopChecker
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.types import EngineOutput
 from tandem_common.types import FinishReason, Logprob
 
 
@@ -84,14 +84,14 @@ class TokenTexts:
     """The text of single tokens (logprobs, Tokenize), cached per token id."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             try:
-                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             except ValueError:  # a model vocabulary larger than the tokenizer's
                 text = ""
             self._cache[token_id] = text

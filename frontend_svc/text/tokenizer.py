@@ -36,20 +36,12 @@ import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
+from tandem_common.tokenizer_files import TOKENIZER_FILE_NAMES
+
 # From this many characters (or ids) on, encode and decode go through the batch calls of
 # `tokenizers`, which release the GIL (the single calls hold it): a long input tokenized
 # on a worker thread then leaves the event loop free. Shorter ones keep the cheaper call.
 _LONG_INPUT = 4096
-
-# The files a frontend needs; the engine hands out whichever of these it has.
-TOKENIZER_FILE_NAMES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 
 
 class Tokenizer:
@@ -89,9 +81,9 @@ class Tokenizer:
 
         # "Special" as `tokenizers` means it: added tokens flagged special, which are the
         # ones decode(skip_special_tokens=True) drops.
-        self.all_special_ids: frozenset[int] = frozenset(
-            i for i, t in backend.get_added_tokens_decoder().items() if t.special
-        )
+        added = backend.get_added_tokens_decoder()
+        self.all_special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.special_tokens: frozenset[str] = frozenset(t.content for t in added.values() if t.special)
         self.byte_fallback_bytes: dict[int, int] = _byte_fallback_bytes(backend)
 
         # Explicit add_bos_token/add_eos_token win over the post-processor, as in

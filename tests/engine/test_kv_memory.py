@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_svc.model import kv_memory
-from engine_svc.model.kv_memory import default_num_kv_blocks, zeroed
+from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, default_num_kv_blocks, size_kv_cache, zeroed
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -60,3 +60,49 @@ def test_zeroed_cpu_memory_is_not_written_up_front():
 def test_zeroed_in_half_precision():
     cache = zeroed((4, 3), torch.bfloat16, CPU)
     assert cache.dtype == torch.bfloat16 and torch.equal(cache, torch.zeros(4, 3, dtype=torch.bfloat16))
+
+
+# -- the pool size from the flags, and the allocation -------------------------------------
+
+
+def size(monkeypatch, **kw) -> int:
+    monkeypatch.setattr(kv_memory, "available_memory", lambda device: None)
+    args = dict(
+        num_kv_blocks=None, kv_cache_bytes=None, bytes_per_block=MiB, block_size=16, max_num_seqs=8,
+        max_model_len=1024, device=CPU,
+    )  # fmt: skip
+    return size_kv_cache(**{**args, **kw})
+
+
+def test_bytes_per_block_counts_k_and_v_of_every_layer():
+    # 2 (K, V) x 3 layers x 16 tokens x 2 kv heads x 8 dims x 2 bytes (bfloat16)
+    got = bytes_per_block(num_layers=3, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    assert got == 2 * 3 * 16 * 2 * 8 * 2
+    with pytest.raises(ValueError, match="block_size must be positive, got 0"):
+        bytes_per_block(num_layers=3, block_size=0, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def test_the_flags_choose_the_pool_size_before_the_default(monkeypatch, caplog):
+    assert size(monkeypatch, num_kv_blocks=7, kv_cache_bytes=100 * MiB) == 7  # blocks win over bytes
+    assert size(monkeypatch, kv_cache_bytes=100 * MiB + 5) == 100  # whole blocks only
+    assert size(monkeypatch) == 512  # neither: the default (8 requests x 64 blocks)
+    with caplog.at_level(logging.WARNING, logger="engine_svc.model.kv_memory"):
+        assert size(monkeypatch, num_kv_blocks=10) == 10
+    assert "KV cache holds 160 tokens, less than max_model_len 1024" in caplog.text
+
+
+def test_a_pool_of_no_block_says_what_a_block_needs(monkeypatch):
+    with pytest.raises(ValueError, match="a block needs 1048576 bytes .*kv_cache_bytes=1000"):
+        size(monkeypatch, kv_cache_bytes=1000)
+    with pytest.raises(ValueError, match="num_kv_blocks=0"):
+        size(monkeypatch, num_kv_blocks=0)
+
+
+def test_every_layer_gets_its_own_zeroed_k_and_v():
+    caches = allocate_kv_cache(
+        num_layers=3, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=8, dtype=torch.float32, device=CPU
+    )
+    assert len(caches) == 3
+    assert all(t.shape == (4, 2, 1, 8) and not t.any() for kv in caches for t in kv)
+    caches[1][0].fill_(1.0)  # views of one tensor, but no two layers (or K and V) share memory
+    assert caches[1][0].all() and not caches[1][1].any() and not caches[0][0].any() and not caches[2][0].any()

@@ -366,11 +366,11 @@ def test_attention_metadata_layout():
     )
     # positions: 9 | 0 | 0 1 2 | 4 5  -> slots block*4 + offset
     assert meta.slot_mapping.tolist() == [8 * 4 + 1, 7 * 4, 4, 5, 6, 3 * 4, 3 * 4 + 1]
-    [group] = meta.decode_groups
+    [group] = meta.decode.groups
     assert (group.row_start, group.num_rows, group.num_blocks) == (0, 2, 3)
     assert group.block_ids.tolist() == [5, 6, 8, 7, 0, 0]
     assert (group.mask[:, 0, 0] == 0).sum(-1).tolist() == [10, 1]
-    fresh, cont = meta.prefills
+    fresh, cont = meta.prefill.chunks
     assert (fresh.row_start, fresh.query_len, fresh.mask) == (2, 3, None)
     assert (cont.row_start, cont.start, cont.block_ids.tolist()) == (5, 4, [2, 3])
     assert (cont.mask == 0).tolist() == [[True] * 5 + [False], [True] * 6]

@@ -20,6 +20,7 @@ from torch import nn
 
 from engine_svc.model.llama import RMSNorm, RotaryEmbedding
 from engine_svc.model.native import BuildError, NativeKernels, build, cpu_features
+from engine_svc.model.native.build import WARNING_FLAGS
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE, parse_cpuinfo
 from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
 
@@ -64,10 +65,11 @@ def _compiler_takes(isa: str) -> bool:
 @pytest.mark.parametrize("isa", list(ISA_BUILDS))
 def test_every_build_compiles(build_dir, isa):
     """AVX512 builds too, on any x86-64 machine whose compiler knows the flags: compiled,
-    never loaded where the CPU lacks them (see the dispatch tests)."""
+    never loaded where the CPU lacks them (see the dispatch tests); with every warning of
+    -Wall -Wextra an error."""
     if not _compiler_takes(isa):
         pytest.skip(f"this compiler cannot target {isa}")
-    assert build(isa, build_dir).stat().st_size > 10_000
+    assert build(isa, build_dir, extra_flags=WARNING_FLAGS).stat().st_size > 10_000
 
 
 ZEN3 = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx f16c fma avx2 bmi2\n"

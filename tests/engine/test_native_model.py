@@ -15,7 +15,8 @@ import shutil
 import pytest
 import torch
 
-from engine_svc.model.runner import ModelRunner, uses_native_kernels
+from engine_svc.model.backend import uses_native_kernels
+from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import ScheduledRequest
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams

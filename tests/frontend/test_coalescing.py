@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from frontend_svc.engine.client import EngineClient
 from frontend_svc.engine.handle import RequestHandle
-from frontend_svc.engine.types import EngineOutput
 from frontend_svc.text.output_processor import ChoiceProcessor, TextParams
+from frontend_svc.types import EngineOutput
 from tandem_common.types import FinishReason, Logprob
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tests.frontend.test_output_processor import PROMPT, TOK, ids_of
@@ -39,9 +39,8 @@ class FakeStream:
         self.messages.put_nowait(pb.StreamResponse(outputs=[out]))
 
 
-async def _read_all(handle: RequestHandle, stream: FakeStream, feed) -> list[list[int]]:
+async def _read_all(client: EngineClient, handle: RequestHandle, stream: FakeStream, feed) -> list[list[int]]:
     """Token ids of each take() of a reader woken by ``handle.wakeup``, while ``feed`` puts."""
-    client = handle.client
     reader = asyncio.create_task(client._read(stream))
     takes = []
     feeder = asyncio.create_task(feed())
@@ -55,47 +54,47 @@ async def _read_all(handle: RequestHandle, stream: FakeStream, feed) -> list[lis
     return takes
 
 
-def _handle(stream_interval: int) -> RequestHandle:
+def _handle(stream_interval: int) -> tuple[EngineClient, RequestHandle]:
     client = EngineClient("127.0.0.1:1")
-    handle = RequestHandle("r", client, None, stream_interval)
+    handle = RequestHandle("r", None, stream_interval)
     client._requests["r"] = handle
-    return handle
+    return client, handle
 
 
 async def test_a_backlog_is_read_before_the_call_is_woken():
     """Eight messages already waiting reach the call as one output of eight tokens."""
-    handle, stream = _handle(0), FakeStream()
+    (client, handle), stream = _handle(0), FakeStream()
     for i in range(8):
         stream.put_token("r", 10 + i, last=i == 7)
 
     async def feed():
         pass
 
-    assert await _read_all(handle, stream, feed) == [list(range(10, 18))]
+    assert await _read_all(client, handle, stream, feed) == [list(range(10, 18))]
 
 
 async def test_tokens_that_come_apart_are_woken_for_one_by_one():
     """An idle frontend: every token reaches the call alone (inter-token latency unchanged)."""
-    handle, stream = _handle(0), FakeStream()
+    (client, handle), stream = _handle(0), FakeStream()
 
     async def feed():
         for i in range(5):
             await asyncio.sleep(0.005)
             stream.put_token("r", 10 + i, last=i == 4)
 
-    assert await _read_all(handle, stream, feed) == [[10], [11], [12], [13], [14]]
+    assert await _read_all(client, handle, stream, feed) == [[10], [11], [12], [13], [14]]
 
 
 async def test_a_fixed_interval_wakes_per_delivery_as_before():
     """--stream-interval 1 wakes the call at each delivery (the servicer splits the rest)."""
-    handle, stream = _handle(1), FakeStream()
+    (client, handle), stream = _handle(1), FakeStream()
     for i in range(4):
         stream.put_token("r", 10 + i, last=i == 3)
 
     async def feed():
         pass
 
-    takes = await _read_all(handle, stream, feed)
+    takes = await _read_all(client, handle, stream, feed)
     assert len(takes) > 1 and sum(takes, []) == [10, 11, 12, 13]
 
 
@@ -104,21 +103,21 @@ async def test_a_long_backlog_wakes_the_call_within_the_deferral_bound(monkeypat
     import frontend_svc.engine.client as client_module
 
     monkeypatch.setattr(client_module, "MAX_DEFERRED_S", 0.0)
-    handle, stream = _handle(0), FakeStream()
+    (client, handle), stream = _handle(0), FakeStream()
     for i in range(6):
         stream.put_token("r", 10 + i, last=i == 5)
 
     async def feed():
         pass
 
-    takes = await _read_all(handle, stream, feed)
+    takes = await _read_all(client, handle, stream, feed)
     assert len(takes) > 1 and sum(takes, []) == list(range(10, 16))
 
 
 async def test_a_busy_loop_with_a_quiet_engine_still_wakes_the_call():
     """Other work keeping every loop turn busy while the engine sends nothing more must not
     hold a delivered token back (the probe for a backlog gives up at MAX_DEFERRED_S)."""
-    handle, stream = _handle(0), FakeStream()
+    (client, handle), stream = _handle(0), FakeStream()
     stream.put_token("r", 10)
     stop = False
 
@@ -130,7 +129,7 @@ async def test_a_busy_loop_with_a_quiet_engine_still_wakes_the_call():
             await asyncio.sleep(0)
 
     burner = asyncio.create_task(busy())
-    reader = asyncio.create_task(handle.client._read(stream))
+    reader = asyncio.create_task(client._read(stream))
     try:
         await asyncio.wait_for(handle.wakeup.wait(), 5.0)
         assert handle.take().new_token_ids == [10]

@@ -33,6 +33,8 @@ FLAGS = [
     "--max-concurrent-calls",
     "--stalled-client-timeout-s",
     "--engine-stall-timeout-s",
+    "--engine-progress-timeout-s",
+    "--max-calls-per-client",
     "--metrics-host",
 ]
 
@@ -93,8 +95,10 @@ def test_limits_and_timeouts_are_checked(capsys):
     for flag, value in [
         ("--max-stop-string-chars", "0"),
         ("--max-concurrent-calls", "-1"),
+        ("--max-calls-per-client", "-1"),
         ("--stalled-client-timeout-s", "-1"),
         ("--engine-stall-timeout-s", "0"),
+        ("--engine-progress-timeout-s", "-1"),
         ("--routing-load-threshold", "-1"),
     ]:
         with pytest.raises(SystemExit):
@@ -105,11 +109,17 @@ def test_limits_and_timeouts_are_checked(capsys):
         engines=["a:1"],
         max_stop_string_chars=0,
         max_concurrent_calls=-1,
+        max_calls_per_client=-1,
         stalled_client_timeout_s=-1,
         engine_stall_timeout_s=0,
+        engine_progress_timeout_s=-1,
         routing_load_threshold=-1,
     )
-    assert len(bad.check()) == 5, bad.check()
+    assert len(bad.check()) == 7, bad.check()
+    assert (
+        parse("--engine", "a:1").calls_per_client,
+        parse("--engine", "a:1", "--max-concurrent-calls", "0").calls_per_client,
+    ) == (512, 0)
     assert parse("--engine", "a:1", "--max-concurrent-calls", "0", "--stalled-client-timeout-s", "0").check() == []
 
 

@@ -9,7 +9,7 @@ import pytest
 from frontend_svc.engine.client import EngineClient
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, parse_dns_target
-from frontend_svc.engine.types import EngineLoad, EngineOutput, EngineUnavailableError, ModelInfo
+from frontend_svc.types import EngineLoad, EngineOutput, EngineUnavailableError, ModelInfo
 from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
 from tandem_common.sampling import SamplingParams
 from tandem_common.types import FinishReason
@@ -77,7 +77,7 @@ def test_pick_without_available_engine_is_unavailable():
 
 
 async def test_handle_merges_unread_outputs_and_iterates_to_the_end():
-    handle = RequestHandle("r", EngineClient("a:1"), None)
+    handle = RequestHandle("r")
     handle.deliver(EngineOutput("r", [1, 2], num_cached_tokens=2))
     handle.deliver(EngineOutput("r", [3]))
     handle.deliver(EngineOutput("r", [4], finish_reason=FinishReason.LENGTH))
@@ -87,8 +87,23 @@ async def test_handle_merges_unread_outputs_and_iterates_to_the_end():
     assert got[0].num_cached_tokens == 2
 
 
+def test_handle_asks_its_deliverer_to_wake_the_reader_and_never_wakes_it_itself():
+    handle = RequestHandle("r", stream_interval=3)
+    assert handle.deliver(EngineOutput("r", [1]))  # the first output
+    assert not handle.deliver(EngineOutput("r", [2]))  # 2 tokens pending, fewer than the interval
+    assert handle.deliver(EngineOutput("r", [3]))  # 3 pending
+    assert handle.take().new_token_ids == [1, 2, 3]
+    assert not handle.deliver(EngineOutput("r", [4]))
+    assert handle.deliver(EngineOutput("r", [], finish_reason=FinishReason.LENGTH))  # the end
+    assert not handle.wakeup.is_set() and handle.finished
+    aborted = RequestHandle("s")
+    aborted.aborted = True
+    assert not aborted.deliver(EngineOutput("s", [1], finish_reason=FinishReason.ABORT))
+    assert aborted.finished and aborted.take() is None
+
+
 async def test_handle_failure_is_raised_after_pending_outputs():
-    handle = RequestHandle("r", EngineClient("a:1"), None)
+    handle = RequestHandle("r")
     handle.deliver(EngineOutput("r", [1]))
     handle.fail(EngineUnavailableError("engine a:1 went away: boom"))
     assert handle.take().new_token_ids == [1]
@@ -107,7 +122,7 @@ async def test_dns_discovery_adds_and_retires_engines():
         client._task.cancel()  # keep its reconnect loop from failing the request added below
         # The name now resolves elsewhere: the old engine retires once its request ends.
         router._dns = [("localhost", 2)]
-        client._requests["busy"] = RequestHandle("busy", client, None)
+        client._requests["busy"] = RequestHandle("busy")
         await router.refresh()
         assert "127.0.0.1:2" in {c.address for c in router.clients}
         assert client.retiring and "127.0.0.1:1" in router._clients

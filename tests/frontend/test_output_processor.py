@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.engine.types import EngineOutput
 from frontend_svc.text.output_processor import ChoiceProcessor, TextParams
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.types import EngineOutput
 from tandem_common.types import FinishReason, Logprob
 from tests.frontend.tokenizer_factory import KINDS, tokenizer_files
 

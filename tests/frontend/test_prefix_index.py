@@ -79,3 +79,17 @@ def test_removing_an_engine_forgets_it_and_only_it():
     index.remove_engine("b")
     index.remove_engine("c")
     assert index.match(H) == {} and index._holders == {}
+
+
+def test_an_engine_holds_at_most_its_pool_and_the_excess_is_counted():
+    index = PrefixIndex()
+    index.set_capacity("a", 4)
+    index.apply("a", [CacheSnapshot(tuple(H), first=True, last=True)])  # six hashes, pool of four
+    assert index.num_blocks("a") == 4 and index.num_dropped == 2
+    assert index.match(H) == {"a": 4}
+    # Room made by an eviction is used again; a hash already held is never dropped.
+    index.apply("a", [BlocksRemoved((H[3],)), BlocksStored((H[0], H[4]))])
+    assert index.num_blocks("a") == 4 and index.num_dropped == 2
+    index.set_capacity("b", 0)  # names no pool: the fixed bound
+    index.apply("b", [BlocksStored(tuple(H))])
+    assert index.num_blocks("b") == 6

@@ -45,7 +45,10 @@ def heavy(max_tokens: int, n: int) -> g.GenerateRequest:
 
 async def test_concurrent_calls_beyond_the_limit_are_resource_exhausted(demo_model_dir, procs):
     engine = procs(start_engine(demo_model_dir, "--num-kv-blocks", "256")).wait_serving()
-    frontend = procs(start_frontend(engine.address, extra=("--max-concurrent-calls", "2"))).wait_serving()
+    # One client holds both slots here: no per-client share (its default is half the slots).
+    frontend = procs(
+        start_frontend(engine.address, extra=("--max-concurrent-calls", "2", "--max-calls-per-client", "0"))
+    ).wait_serving()
     async with grpc.aio.insecure_channel(frontend.address) as channel:
         stub = stub_of(channel)
         calls = [stub.Generate(request(f"long {i}", max_tokens=1500)) for i in range(2)]

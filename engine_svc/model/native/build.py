@@ -23,6 +23,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from engine_svc.model.native.cpu import ISA_BUILDS
@@ -32,6 +33,9 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ("gemm.c", "elementwise.c", "attention.c")
 HEADERS = ("tandem_kernels.h",)
 BASE_FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=fast", "-fPIC", "-fopenmp", "-fno-math-errno"]
+# What the sources must compile cleanly under (the tests build every ISA with them). Not in
+# the engine's own build: a newer compiler's new warning must not cost a server its kernels.
+WARNING_FLAGS = ("-Wall", "-Wextra", "-Werror")
 
 
 class BuildError(RuntimeError):
@@ -42,8 +46,8 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
-def flags(isa: str) -> list[str]:
-    return [*BASE_FLAGS, *ISA_BUILDS[isa][0]]
+def flags(isa: str, extra_flags: Sequence[str] = ()) -> list[str]:
+    return [*BASE_FLAGS, *ISA_BUILDS[isa][0], *extra_flags]
 
 
 def kernel_dir() -> Path:
@@ -52,12 +56,12 @@ def kernel_dir() -> Path:
     return cache_dir() / "kernels"
 
 
-def target(isa: str, folder: Path | None = None) -> Path:
+def target(isa: str, folder: Path | None = None, extra_flags: Sequence[str] = ()) -> Path:
     """Where the build of the current sources for ``isa`` is (or will be) cached."""
     h = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
-    h.update("\0".join([*flags(isa), sys.platform]).encode())
+    h.update("\0".join([*flags(isa, extra_flags), sys.platform]).encode())
     return (folder or kernel_dir()) / f"tandem_kernels-{isa}-{h.hexdigest()[:16]}.so"
 
 
@@ -73,9 +77,10 @@ def _check_trusted(path: Path) -> None:
             )
 
 
-def build(isa: str, folder: Path | None = None) -> Path:
-    """The cached build for ``isa``, compiled now if it is missing. Raises BuildError."""
-    out = target(isa, folder)
+def build(isa: str, folder: Path | None = None, extra_flags: Sequence[str] = ()) -> Path:
+    """The cached build for ``isa``, compiled now if it is missing (with ``extra_flags``
+    added to the compiler's, e.g. WARNING_FLAGS). Raises BuildError."""
+    out = target(isa, folder, extra_flags)
     if out.is_file():
         _check_trusted(out)
         return out
@@ -89,7 +94,7 @@ def build(isa: str, folder: Path | None = None) -> Path:
         objects = [Path(tmp) / (Path(src).stem + ".o") for src in SOURCES]
         procs = [
             subprocess.Popen(
-                [cc, *flags(isa), "-c", str(HERE / src), "-o", str(obj)],
+                [cc, *flags(isa, extra_flags), "-c", str(HERE / src), "-o", str(obj)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

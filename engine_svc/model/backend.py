@@ -1,0 +1,121 @@
+"""Where the model's arithmetic runs, decided once at load, weights packed once.
+
+    --kernels   device, dtype         kernels (C)   matmuls                     attention
+    auto        CPU, float32          native        "native" (gemm.c)           native decode (+ prefill)
+    auto        CPU, bfloat16         native        "onednn" with hardware bf16 native decode (+ prefill)
+                                                    dot products, else "native"
+    auto        CPU, kernels missing  none          "onednn" where it packs     PyTorch
+    torch       any                   none          "torch" (F.linear)          PyTorch
+    auto        GPU                   none          "torch"                     PyTorch
+
+Hardware bfloat16 dot products (AVX512-BF16, AMX) are oneDNN's; everywhere else the native
+GEMM, which computes bfloat16 weights in float32. Native prefill attention needs a head
+size of whole vectors. A packing that fails (either kind) leaves ``F.linear`` in place:
+one run never mixes two matmul implementations.
+
+    build = KernelBuild.start(kernels, device, dtype)   # compiles while the weights load
+    backend = install_backend(model, build.result(), kernels=..., device=..., dtype=..., batch_size_hint=...)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine_svc.model.llama import Transformer
+from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
+from engine_svc.model.native_layers import install_native_layers, install_native_linears
+from engine_svc.model.packed_linear import pack_linears, packing_supported
+
+logger = logging.getLogger(__name__)
+
+Matmuls = Literal["native", "onednn", "torch"]
+
+
+def uses_native_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """The native CPU kernels are for ``--kernels auto`` on CPU in float32 or bfloat16 only:
+    ``torch`` is the plain-PyTorch reference, and a GPU never loads them."""
+    return kernels == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+
+class KernelBuild:
+    """The native kernels, compiled (first use only) on a thread while the weights load."""
+
+    def __init__(self, thread: threading.Thread | None) -> None:
+        self._thread = thread
+
+    @classmethod
+    def start(cls, kernels: str, device: torch.device, dtype: torch.dtype) -> KernelBuild:
+        if not uses_native_kernels(kernels, device, dtype):
+            return cls(None)
+        thread = threading.Thread(target=load_kernels, name="kernel-build", daemon=True)
+        thread.start()
+        return cls(thread)
+
+    def result(self) -> NativeKernels | None:
+        """The loaded kernels, or None where they are not wanted or cannot be had."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        return load_kernels()  # cached by the thread's call
+
+
+@dataclass(frozen=True)
+class ModelBackend:
+    kernels: NativeKernels | None
+    matmuls: Matmuls
+    native_prefill: bool  # prefill attention on the kernels too (decode is, whenever kernels is set)
+
+    def describe(self) -> str:
+        kernels = f"native {self.kernels.isa} build" if self.kernels else "plain PyTorch"
+        if self.native_prefill:
+            attention = "native (decode and prefill)"
+        else:
+            attention = "native decode" if self.kernels else "PyTorch"
+        return f"kernels: {kernels}; matmuls: {self.matmuls}; attention: {attention}"
+
+
+def choose_matmuls(kernels: NativeKernels | None, wanted: str, device: torch.device, dtype: torch.dtype) -> Matmuls:
+    """Where the linear layers should run (the module docstring's table), before packing."""
+    if kernels is not None:
+        if dtype == torch.bfloat16 and cpu_features().native_bf16 and packing_supported(device, dtype):
+            return "onednn"
+        return "native"
+    if wanted == "auto" and packing_supported(device, dtype):
+        return "onednn"
+    return "torch"
+
+
+def install_backend(
+    model: Transformer,
+    kernels: NativeKernels | None,
+    *,
+    wanted: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_size_hint: int,
+) -> ModelBackend:
+    """Swap the model's layers for the chosen backend's, in place; the one place that
+    packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
+    packed layout is chosen for."""
+    matmuls = choose_matmuls(kernels, wanted, device, dtype)
+    if kernels is not None:
+        install_native_layers(model, kernels, dtype)
+    num_packed = 0
+    if matmuls == "native":
+        assert kernels is not None
+        num_packed = install_native_linears(model, kernels, dtype)
+    elif matmuls == "onednn":
+        num_packed = pack_linears(model, batch_size_hint)
+    backend = ModelBackend(
+        kernels=kernels,
+        matmuls=matmuls if num_packed else "torch",
+        native_prefill=kernels is not None and kernels.supports_prefill_attention(model.args.head_dim),
+    )
+    if device.type == "cpu":
+        logger.info("%s", backend.describe())
+    return backend
