@@ -28,6 +28,7 @@ from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
 from frontend_svc.service import convert
 from frontend_svc.service.flow import Call, InFlightCalls
+from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
@@ -76,8 +77,10 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         stream_interval: int = 0,
         metrics: FrontendMetrics | None = None,
         tracer=None,
+        parsers: OutputParsers | None = None,
     ) -> None:
         self.router = router
+        self.parsers = parsers or OutputParsers()
         self.stream_interval = stream_interval
         self.limits = limits if limits is not None else RequestLimits()
         self.calls = calls if calls is not None else InFlightCalls()
@@ -129,7 +132,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(code, message)
 
     def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
-        return plan_generate(convert.generate_input(request), tokenizer, info, self.limits)
+        return plan_generate(convert.generate_input(request), tokenizer, info, self.limits, self.parsers)
 
     async def _serve(self, plan: Plan, call: Call, request, context, stats: GenerateStats) -> None:
         """Streams the plan's responses from one engine, or from a second one when the first

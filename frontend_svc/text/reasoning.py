@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from .tools.scan import held_suffix
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
+# The --reasoning-parser names; both write <think> ... </think>. Whether the output starts
+# inside the thought is read from the prompt, never from the name.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 _BEFORE, _THINKING, _AFTER = range(3)
 
 
