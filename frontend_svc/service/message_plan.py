@@ -150,7 +150,14 @@ def finish(
     grammar = None
     try:
         if fmt.tools is not None and (tools.choice.forced or answer is not None):
-            grammar = tools_grammar(fmt.tools.name, tools, answer, tokenizer.special_token_id, thought=thought)
+            grammar = tools_grammar(
+                fmt.tools.name,
+                tools,
+                answer,
+                tokenizer.special_token_id,
+                thought=thought,
+                mistral_named="[ARGS]" in (tokenizer.chat_template or ""),
+            )
         elif answer is not None and thought is not None:
             grammar = answer_grammar(answer, tokenizer.special_token_id, thought)
     except ForcingError as e:

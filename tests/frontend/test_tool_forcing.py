@@ -63,6 +63,19 @@ def test_the_grammar_refuses_text_unknown_tools_and_bad_arguments(llg_tokenizer,
     assert not accepts(llg_tokenizer, grammar, written(fmt, [("get_time", {"extra": 1})]))
 
 
+def test_mistral_named_form_is_forced_as_its_templates_show_it(llg_tokenizer):
+    grammar = tools_grammar("mistral", REQUIRED, None, lambda _: None, mistral_named=True)
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city":"Oslo"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert accepts(llg_tokenizer, grammar, text)
+    parsed = FORMATS["mistral"].parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    assert not accepts(llg_tokenizer, grammar, '[TOOL_CALLS]get_time[ARGS]{"x":1}')
+    assert not accepts(llg_tokenizer, grammar, written("mistral", [("get_time", {})]))  # the array form
+
+
 def test_named_and_single_calls_allow_exactly_one(llg_tokenizer):
     named = tools_grammar("hermes", ToolRequest(TOOLS, ToolChoice("function", "get_time")), None, lambda _: None)
     assert accepts(llg_tokenizer, named, written("hermes", [("get_time", {})]))

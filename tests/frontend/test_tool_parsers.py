@@ -70,6 +70,32 @@ GOLDEN: list[tuple[str, str, str, list[ToolCall]]] = [
     ("mistral", f"[TOOL_CALLS][{W}]", "", [call(W)]),
     ("mistral", f"[TOOL_CALLS] [{W}, {NESTED}, {NOARGS}]", "", [call(W), call(NESTED), call(NOARGS)]),
     ("mistral", f"Checking. [TOOL_CALLS][{CLOSING_IN_STRING}]", "Checking. ", [call(CLOSING_IN_STRING)]),
+    # the newer form (tokenizer v11 on): one tag per call, the name and [ARGS] apart
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}',
+        "",
+        [ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')],
+    ),
+    (
+        "mistral",
+        'Two calls.[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]echo[ARGS]{"text": "[TOOL_CALLS]x[ARGS]{ } \\" end"}',
+        "Two calls.",
+        [ToolCall("get_time", "{}"), ToolCall("echo", '{"text": "[TOOL_CALLS]x[ARGS]{ } \\" end"}')],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]book[ARGS] {"trip": {"legs": [{"to": "B"}]}}\nBooked.',
+        "\nBooked.",
+        [ToolCall("book", '{"trip": {"legs": [{"to": "B"}]}}')],
+    ),
+    (
+        "mistral",
+        "The [TOOL_CALLS] tag and [ARGS] are words here.",
+        "The [TOOL_CALLS] tag and [ARGS] are words here.",
+        [],
+    ),
+    ("mistral", "[TOOL_CALLS]name[ARGS] not an object", "[TOOL_CALLS]name[ARGS] not an object", []),
     ("pythonic", "No tools needed.", "No tools needed.", []),
     (
         "pythonic",

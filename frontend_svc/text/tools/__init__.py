@@ -8,6 +8,7 @@ in ``content`` (whitespace between calls) and ``scan`` (marker hold-back, JSON c
     hermes        <tool_call>{"name": ..., "arguments": {...}}</tool_call>      Hermes, Qwen2.5, Qwen3
     llama3_json   [<|python_tag|>]{"name": ..., "parameters": {...}}[; ...]     Llama 3.1 / 3.2 / 3.3
     mistral       [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]          Mistral, Mixtral
+                  [TOOL_CALLS]name[ARGS]{...}  (tokenizer v11 on)              Mistral Small 3.2, Magistral, Devstral
     pythonic      [f(a=1), g(b="x")]                                            Llama 3.2 / 4 (pythonic)
     json          {"name": ..., "arguments": {...}}  or a JSON array of them   any model (no native format)
 
@@ -69,8 +70,8 @@ FORMATS: dict[str, ToolCallFormat] = {
         ),
         ToolCallFormat(
             "mistral",
-            lambda: TaggedCallParser("[TOOL_CALLS]", None, allow_array=True),
-            lambda t: parse_tagged(t, "[TOOL_CALLS]", None, allow_array=True),
+            lambda: TaggedCallParser("[TOOL_CALLS]", None, allow_array=True, named_form=True),
+            lambda t: parse_tagged(t, "[TOOL_CALLS]", None, allow_array=True, named_form=True),
         ),
         ToolCallFormat("pythonic", PythonicCallParser, parse_pythonic),
         ToolCallFormat(

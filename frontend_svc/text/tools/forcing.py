@@ -5,6 +5,8 @@ the calls the format's parser reads, with arguments valid against each tool's sc
 
     hermes       <tool_call>\\n%json{call}\\n</tool_call> ("\\n" <tool_call>...)*
     mistral      [TOOL_CALLS] "[" %json{call} ("," %json{call})* "]"
+                 or, for templates of the newer form (``mistral_named``, they show [ARGS]):
+                 ([TOOL_CALLS] name [ARGS] %json{the tool's schema})+
     llama3_json  %json{call} (";" %json{call})*         ("parameters", as Llama writes it)
     json         %json{call}   or   "[" %json{call} ("," ...)* "]"   (parallel)
 
@@ -28,7 +30,7 @@ from typing import Any
 
 from tandem_common.sampling import StructuredOutput
 
-from .spec import ToolRequest
+from .spec import ToolRequest, ToolSpec
 
 FORCEABLE = ("hermes", "mistral", "llama3_json", "json")
 
@@ -52,6 +54,10 @@ def call_schema(request: ToolRequest, arguments_key: str) -> dict[str, Any]:
     return {**schema, "x-guidance": {"whitespace_flexible": False, "lenient": True}}
 
 
+def _args(tool: ToolSpec) -> dict[str, Any]:
+    return {**tool.schema(), "x-guidance": {"whitespace_flexible": False, "lenient": True}}
+
+
 def tools_grammar(
     format_name: str,
     request: ToolRequest,
@@ -59,6 +65,7 @@ def tools_grammar(
     special_token_id: Callable[[str], int | None],
     *,
     thought: str | None = None,
+    mistral_named: bool = False,
 ) -> str:
     """The Lark grammar for this request. ``thought`` is None (no reasoning parser),
     "open" (the prompt opened the thought) or "optional" (the model may open one)."""
@@ -79,6 +86,15 @@ def tools_grammar(
     if format_name == "hermes":
         lines.append(f'one: {tag("<tool_call>")} "\\n" call "\\n" {tag("</tool_call>")}')
         lines.append('calls: one ("\\n" one)*' if many else "calls: one")
+    elif format_name == "mistral" and mistral_named:
+        lines = [
+            "one: " + " | ".join(f"one_{i}" for i in range(len(request.forced_tools()))),
+            *(
+                f"one_{i}: {tag('[TOOL_CALLS]')} {json.dumps(t.name)} {tag('[ARGS]')} %json {json.dumps(_args(t))}"
+                for i, t in enumerate(request.forced_tools())
+            ),
+            "calls: one+" if many else "calls: one",
+        ]
     elif format_name == "mistral":
         lines.append(f'calls: {tag("[TOOL_CALLS]")} "[" call ' + ('("," call)* "]"' if many else '"]"'))
     elif format_name == "llama3_json":

@@ -56,7 +56,7 @@ def decode_value(text: str, start: int) -> tuple[object, int] | None:
         return None
 
 
-class _Depth:
+class Depth:
     """Bracket depth over JSON text, string- and escape-aware."""
 
     __slots__ = ("depth", "in_string", "escaped")
@@ -98,11 +98,11 @@ class CallObjectStream:
 
     def __init__(self) -> None:
         self._text = ""
-        self._outer = _Depth()
+        self._outer = Depth()
         self._scanned = 0
         self._name: str | None = None
         self._value_at: int | None = None  # where the arguments' value starts (first non-space)
-        self._args = _Depth()
+        self._args = Depth()
         self._args_pos: int | None = None  # argument characters scanned up to here
         self._args_kind = ""  # "bracket", "string" or "scalar", from the value's first character
         self._args_done = False

@@ -4,24 +4,43 @@
     └ content ──┘└ open ───┘  └ one call object (or a JSON array of them) ───────────┘  └ close ────┘
 
 Hermes and Qwen2.5 / Qwen3 write ``<tool_call>`` ... ``</tool_call>``, one object per pair;
-Mistral writes ``[TOOL_CALLS]`` and a JSON array with no closing tag. An opening tag that
-is not followed by a call object is text. A missing closing tag is forgiven.
+Mistral writes ``[TOOL_CALLS]`` and a JSON array with no closing tag, or, with its newer
+tokenizers (v11 on), the name and the arguments apart, one tag per call (``named_form``):
+
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
+
+An opening tag that is not followed by a call object is text. A missing closing tag is
+forgiven.
 """
 
 from __future__ import annotations
 
+import re
+
 from .content import ContentSegments, join_segments
-from .scan import CallObjectStream, call_from_value, decode_value, held_suffix
+from .scan import CallObjectStream, Depth, call_from_value, decode_value, held_suffix
 from .types import ParsedDelta, ParsedMessage, ToolCall, ToolCallDelta
 
-_OUT, _PRE, _ARRAY, _IN, _AFTER_ITEM, _POST = range(6)
+_OUT, _PRE, _ARRAY, _IN, _AFTER_ITEM, _POST, _NAME, _NAMED_ARGS = range(8)
+ARGS_TAG = "[ARGS]"
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_NAMED_HEAD = re.compile(r"([A-Za-z0-9_.\-]{1,64})\[ARGS\]")
+
+
+def _may_become_named_head(text: str) -> bool:
+    """Whether more text could still make ``text`` a name followed by [ARGS]."""
+    m = _NAME_CHARS.match(text)
+    return m is not None and ARGS_TAG.startswith(text[m.end() :]) and len(text) - m.end() < len(ARGS_TAG)
 
 
 class TaggedCallParser:
     """Incremental parse; ``feed`` each text delta, then ``finish`` once."""
 
-    def __init__(self, open_tag: str, close_tag: str | None, allow_array: bool) -> None:
+    def __init__(self, open_tag: str, close_tag: str | None, allow_array: bool, named_form: bool = False) -> None:
         self.open_tag, self.close_tag, self.allow_array = open_tag, close_tag, allow_array
+        self.named_form = named_form
+        self._name = ""  # named form: the call's name, until its arguments start
+        self._depth: Depth | None = None  # named form: the arguments' depth, once they started
         self._state = _OUT
         self._buf = ""  # text not yet consumed by the current state
         self._block = ""  # the raw text of the current block, handed back if it is no call
@@ -39,7 +58,7 @@ class TaggedCallParser:
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        if self._state in (_PRE, _ARRAY, _IN):
+        if self._state in (_PRE, _ARRAY, _IN, _NAME, _NAMED_ARGS):
             if not self._named:
                 self._text(out, self._block + self._buf)  # a block cut short before any call: text
         else:
@@ -80,6 +99,8 @@ class TaggedCallParser:
                     self._buf = stripped[1:]
                     self._in_array = True
                     self._state = _ARRAY
+                elif self.named_form and self._state == _PRE and _NAME_CHARS.match(stripped[0]):
+                    self._state = _NAME
                 else:
                     self._state = _OUT  # the tag opened no call: it is text
                     self._text(out, self._block)
@@ -115,6 +136,23 @@ class TaggedCallParser:
                 else:
                     self._in_array = False
                     self._state = _POST
+            elif self._state == _NAME:
+                head = _NAMED_HEAD.match(self._buf)
+                if head is None:
+                    if _may_become_named_head(self._buf):
+                        return
+                    self._state = _OUT  # no name and [ARGS]: the tag is text
+                    self._text(out, self._block)
+                    self._block = ""
+                    continue
+                self._name, self._depth = head.group(1), None
+                self._block += head.group(0)
+                self._buf = self._buf[head.end() :]
+                self._state = _NAMED_ARGS
+            elif self._state == _NAMED_ARGS:
+                self._named_args(out)
+                if self._state == _NAMED_ARGS:
+                    return
             else:  # _POST: the closing tag, if the format has one
                 stripped = self._buf.lstrip()
                 if self.close_tag is None:
@@ -131,8 +169,55 @@ class TaggedCallParser:
                     self._state = _OUT  # no closing tag: the rest is text
                 self._block = ""
 
+    def _named_args(self, out: ParsedDelta) -> None:
+        """The arguments object of a named call, streamed as written until it closes."""
+        if self._depth is None:
+            stripped = self._buf.lstrip()
+            if not stripped:
+                return
+            if stripped[0] != "{":
+                self._state = _OUT  # [ARGS] not followed by an object: text
+                self._text(out, self._block)
+                self._block = ""
+                return
+            self._block += self._buf[: len(self._buf) - len(stripped)]
+            self._buf = stripped
+            self._depth = Depth()
+            self._content.call_starts()
+            self._index += 1
+            self._named = True
+            out.tool_calls.append(ToolCallDelta(self._index, self._name, ""))
+        depth = self._depth
+        for i, ch in enumerate(self._buf):
+            depth.step(ch)
+            if depth.depth == 0:
+                out.tool_calls.append(ToolCallDelta(self._index, None, self._buf[: i + 1]))
+                self._buf = self._buf[i + 1 :]
+                self._block = ""
+                self._state = _OUT
+                return
+        if self._buf:
+            out.tool_calls.append(ToolCallDelta(self._index, None, self._buf))
+        self._buf = ""
 
-def parse_tagged(text: str, open_tag: str, close_tag: str | None, allow_array: bool) -> ParsedMessage:
+
+def _named_call(text: str, j: int) -> tuple[ToolCall, int] | None:
+    """A named-form call (``name[ARGS]{...}``) at ``text[j:]`` and the index past it."""
+    head = _NAMED_HEAD.match(text, j)
+    if head is None:
+        return None
+    k = head.end()
+    while k < len(text) and text[k].isspace():
+        k += 1
+    decoded = decode_value(text, k) if text.startswith("{", k) else None
+    if decoded is None or not isinstance(decoded[0], dict):
+        return None
+    return ToolCall(head.group(1), text[k : decoded[1]]), decoded[1]
+
+
+def parse_tagged(
+    text: str, open_tag: str, close_tag: str | None, allow_array: bool, named_form: bool = False
+) -> ParsedMessage:
     """The complete parse of a whole output, by the same rules."""
     segments: list[str] = [""]
     calls: list[ToolCall] = []
@@ -145,6 +230,13 @@ def parse_tagged(text: str, open_tag: str, close_tag: str | None, allow_array: b
         j = k + len(open_tag)
         while j < len(text) and text[j].isspace():
             j += 1
+        named = _named_call(text, j) if named_form else None
+        if named is not None:
+            segments[-1] += text[pos:k]
+            calls.append(named[0])
+            segments.append("")
+            pos = named[1]
+            continue
         decoded = decode_value(text, j) if j < len(text) and text[j] in ("{[" if allow_array else "{") else None
         items: list[tuple[str, str]] | None = None
         end = j
