@@ -143,4 +143,9 @@ def install_backend(
     )
     if device.type == "cpu":
         logger.info("%s", backend.describe())
+        if kernels is not None and model.args.sliding_window is not None:
+            logger.info(
+                "sliding-window layers (window %d) attend in PyTorch: the native kernels have no window",
+                model.args.sliding_window,
+            )
     return backend

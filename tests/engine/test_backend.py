@@ -11,12 +11,13 @@ from torch import nn
 
 from engine_svc.model import backend as model_backend
 from engine_svc.model.backend import KernelBuild, choose_matmuls, install_backend
-from engine_svc.model.llama import RMSNorm, RotaryEmbedding
+from engine_svc.model.layers import RMSNorm
 from engine_svc.model.loader import load_model
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.cpu import parse_cpuinfo
 from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
 from engine_svc.model.packed_linear import PackedLinear, packing_supported
+from engine_svc.model.rope import RotaryEmbedding
 from tests.model_factory import make_model_dir
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.llama import RMSNorm, RotaryEmbedding
+from engine_svc.model.layers import RMSNorm
 from engine_svc.model.native import BuildError, NativeKernels, build, cpu_features
 from engine_svc.model.native.build import WARNING_FLAGS
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE, parse_cpuinfo
 from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from engine_svc.model.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
