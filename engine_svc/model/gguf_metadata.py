@@ -25,6 +25,7 @@ weight is read.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,18 @@ class _Reader(gguf.GGUFReader):
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """A reader over ``path`` (memory-mapped), or a GGUFError that says what is wrong."""
+    """A reader over ``path`` (memory-mapped), or a GGUFError that says what is wrong.
+    The last file opened is kept open: loading reads it twice (the float weights, then
+    the quantized blocks), and parsing its metadata takes a second for a large vocabulary."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    stat = path.stat()
+    return _open(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _open(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
     try:
         return _Reader(path)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError ...

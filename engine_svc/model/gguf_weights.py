@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +80,12 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf_tensors(path: str | Path, args: ModelArgs) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor | None]:
-    """(Hugging Face-named float32 tensors, RoPE frequency divisors or None) of ``path``."""
+def read_gguf_tensors(
+    path: str | Path, args: ModelArgs, kept: Callable[[str], bool] | None = None
+) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor | None]:
+    """(Hugging Face-named float32 tensors, RoPE frequency divisors or None) of ``path``.
+    Tensors ``kept`` names (their HF name) come back as meta tensors, not dequantized: their
+    layers are served from the quantized blocks (gguf_quantized.py)."""
     path = Path(path)
     reader = open_gguf(path)
     arch = architecture(reader, path)
@@ -91,6 +96,10 @@ def read_gguf_tensors(path: str | Path, args: ModelArgs) -> tuple[list[tuple[str
     for tensor in reader.tensors:
         # GGUF shapes are fastest dimension first; ours are the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        name = hf_name(tensor.name)
+        if kept is not None and name is not None and kept(name):
+            tensors.append((name, torch.empty(shape, device="meta")))
+            continue
         array = dequantize(tensor.data, tensor.tensor_type)
         # F32 comes back as a view of the read-only memory map; the model may own its weights.
         values = torch.from_numpy(array.copy() if not array.flags.writeable else np.ascontiguousarray(array))
@@ -100,7 +109,6 @@ def read_gguf_tensors(path: str | Path, args: ModelArgs) -> tuple[list[tuple[str
         if tensor.name == _ROPE_FREQS:
             freq_factors = values
             continue
-        name = hf_name(tensor.name)
         if name is None:
             raise GGUFError(f"{path.name}: tensor {tensor.name} has no place in a {arch} model")
         if permuted and ".self_attn.q_proj." in name:

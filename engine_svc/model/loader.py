@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -189,19 +189,29 @@ def our_name(hf_name: str) -> tuple[str, int | None] | None:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str, dtype: str | torch.dtype
+    model_dir: str | Path,
+    device: torch.device | str,
+    dtype: str | torch.dtype,
+    kept_modules: Collection[str] = (),
 ) -> tuple[Transformer, ModelArgs]:
     """Build the model on ``device`` in ``dtype`` with the directory's weights.
 
     A directory prepared from a GGUF file (``gguf_checkpoint.py``) holds a config.json but
-    no safetensors: its weights come from the GGUF file it names, dequantized.
+    no safetensors: its weights come from the GGUF file it names, dequantized, except the
+    weights of ``kept_modules`` (our module names), left on the meta device for layers that
+    will be served from the file's quantized blocks.
     """
     model_dir = Path(model_dir)
     dtype = resolve_dtype(dtype, device)
     args = ModelArgs.from_hf_config(read_config(model_dir))
     gguf_path = gguf_source(model_dir)
     if gguf_path is not None:
-        tensors, freq_factors = read_gguf_tensors(gguf_path, args)
+
+        def kept(hf_name: str) -> bool:
+            mapped = our_name(hf_name)
+            return mapped is not None and mapped[0].removesuffix(".weight") in kept_modules
+
+        tensors, freq_factors = read_gguf_tensors(gguf_path, args, kept if kept_modules else None)
         return build_model(args, tensors, device, dtype, gguf_path, freq_factors=freq_factors)
     return build_model(args, _safetensors_tensors(model_dir), device, dtype, model_dir)
 
@@ -272,7 +282,7 @@ def build_model(
     missing = sorted(expected_names - state.keys())
     if missing:
         raise ValueError(f"{source}: missing weights {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict({k: v if v.is_meta else v.to(device) for k, v in state.items()}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.tie_weights()
     inv_freq = rope_inv_freq(args)

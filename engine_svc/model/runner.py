@@ -31,7 +31,7 @@ from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.gguf_quantized import read_quantized_linears
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import Transformer
-from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
+from engine_svc.model.loader import load_model, read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
@@ -88,33 +88,34 @@ class ModelRunner:
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
-        model, args = load_model(model_dir, self.device, self.dtype)
-        native = build.result()
+        prequantized = self._gguf_quantized(model_dir, build, quantization)
+        model, args = load_model(model_dir, self.device, self.dtype, kept_modules=prequantized or ())
         backend = install_backend(
             model,
-            native,
+            build.result(),
             wanted=kernels,
             device=self.device,
             dtype=self.dtype,
             batch_size_hint=batch_size_hint,
             quantization=quantization if quantization in ("int8", "int4") else None,
-            prequantized=self._gguf_quantized(model_dir, args, native is not None, quantization),
+            prequantized=prequantized,
         )
         return model, args, backend
 
     @staticmethod
     def _gguf_quantized(
-        model_dir: str, args: ModelArgs, have_kernels: bool, quantization: str | None
+        model_dir: str, build: KernelBuild, quantization: str | None
     ) -> dict[str, QuantizedWeight] | None:
         """A GGUF file's quantized blocks as they are (``--quantization auto``, the default,
-        where the native kernels run); else its weights stay dequantized."""
+        where the native kernels run; read first, so those layers are never dequantized);
+        else its weights are dequantized."""
         gguf_path = gguf_source(model_dir)
         if gguf_path is None or quantization not in (None, "auto"):
             return None
-        if not have_kernels:
+        if build.result() is None:  # waits for the kernels: the quantized GEMM is theirs
             logger.info("GGUF weights dequantized to the serving dtype: the quantized GEMM needs the native kernels")
             return None
-        return read_quantized_linears(gguf_path, args)
+        return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir)))
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not

@@ -55,8 +55,13 @@ def _low_high(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def _weight(bits: int, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, group: int, n: int, k: int):
-    if bits == 4:
+def _weight(
+    bits: int, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, group: int, n: int, k: int, packed=False
+):
+    """``q``: values [.., K] (or, with ``packed``, 4-bit blocks already in the layout's byte order)."""
+    if bits == 4 and packed:
+        qs = torch.from_numpy(np.ascontiguousarray(q).reshape(n, k // 2))
+    elif bits == 4:
         qs = pack_nibbles(torch.from_numpy(q.reshape(n, k).astype(np.uint8)))
     else:
         qs = torch.from_numpy(q.reshape(n, k).astype(np.int8))
@@ -75,11 +80,11 @@ def _q8_0(b: np.ndarray, n: int, k: int) -> QuantizedWeight:
 
 def _q4_0(b: np.ndarray, n: int, k: int) -> QuantizedWeight:
     d = _f16(b, 0)
-    return _weight(4, _low_high(b[:, 2:]), d, -8.0 * d, 32, n, k)
+    return _weight(4, b[:, 2:], d, -8.0 * d, 32, n, k, packed=True)  # GGUF's nibble order is the layout's
 
 
 def _q4_1(b: np.ndarray, n: int, k: int) -> QuantizedWeight:
-    return _weight(4, _low_high(b[:, 4:]), _f16(b, 0), _f16(b, 2), 32, n, k)
+    return _weight(4, b[:, 4:], _f16(b, 0), _f16(b, 2), 32, n, k, packed=True)
 
 
 def _fifth_bit(qh: np.ndarray) -> np.ndarray:
