@@ -229,6 +229,7 @@ class EngineCore:
             draining=self.draining,
             step=step,
             structured=self.structured.stats(),
+            spec_decode=None if sched.speculator is None else sched.speculator.stats.snapshot(),
         )
 
     def warmup(self) -> None:

@@ -122,6 +122,25 @@ class StructuredStats:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding since the engine started, as totals (``engine_svc/sched/spec.py``)."""
+
+    num_drafts: int = 0  # verifications of at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose position i was accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: the accepted drafts plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine's state after one turn of its loop, as other threads may read it.
 
@@ -142,6 +161,7 @@ class EngineStats:
     draining: bool = False
     step: StepStats | None = None  # None when the turn ran no step
     structured: StructuredStats = StructuredStats()
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 @dataclass(frozen=True)

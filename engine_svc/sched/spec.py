@@ -35,6 +35,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from engine_svc.outputs import SpecDecodeStats
 from engine_svc.sched.request import Request
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ def propose_ngram(token_ids: list[int], num_tokens: int, lookup_min: int, lookup
 
 @dataclass
 class SpecStats:
-    """Speculation since the engine started (totals), for metrics and the log line."""
+    """Speculation since the engine started (totals), kept by the step thread; metrics
+    read ``snapshot()``."""
 
     num_drafts: int = 0  # verifications of at least one draft token
     num_draft_tokens: int = 0
@@ -131,9 +133,10 @@ class SpecStats:
         """Tokens a verification step yields on average: the accepted drafts plus one."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    def snapshot(self) -> SpecStats:
-        return SpecStats(
-            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
+    def snapshot(self) -> SpecDecodeStats:
+        """A frozen copy for other threads (``EngineStats.spec_decode``)."""
+        return SpecDecodeStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, tuple(self.accepted_per_position)
         )
 
 
