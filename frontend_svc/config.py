@@ -35,6 +35,8 @@ class FrontendConfig:
     routing_load_threshold: int = DEFAULT_LOAD_THRESHOLD_TOKENS
     host: str = "127.0.0.1"
     port: int = 50050
+    http_port: int | None = None  # None: no HTTP face; 0 picks a free port (service/http/)
+    http_host: str | None = None  # None: the service's --host
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     max_message_bytes: int = 16 * 1024 * 1024
     max_stop_strings: int = 16
@@ -211,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     n = p.add_argument_group("server")
     n.add_argument("--host", default=d.host, help="address to listen on")
     n.add_argument("--port", type=port, default=d.port, help="gRPC port (0 picks a free one)")
+    n.add_argument(
+        "--http-port",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API (and Anthropic Messages) on this port (0 picks a free "
+        "one); off unless given. Same TLS, API keys, limits and metrics as gRPC (docs/http.md)",
+    )
+    n.add_argument("--http-host", default=None, help="address the HTTP API listens on (default: the same as --host)")
     n.add_argument(
         "--max-message-bytes",
         type=message_bytes,

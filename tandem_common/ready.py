@@ -29,11 +29,15 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def write_ready_file(path: str | os.PathLike | None, *, service: str, host: str, port: int, state: str) -> None:
+def write_ready_file(
+    path: str | os.PathLike | None, *, service: str, host: str, port: int, state: str, **extra: object
+) -> None:
+    """``extra``: more ports a service listens on (the frontend's ``http_port``); None ones are left out."""
     if not path:
         return
     path = Path(path)
     info = {"service": service, "pid": os.getpid(), "host": host, "port": port, "state": state}
+    info.update({k: v for k, v in extra.items() if v is not None})
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         json.dump(info, f)

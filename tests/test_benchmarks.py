@@ -280,3 +280,18 @@ def test_capacity_runs_each_setting_and_fills_every_figure(tmp_path, capsys):
     assert set(report["ratios"]) == {"64", "1"}
     assert (tmp_path / "capacity.png").stat().st_size > 0
     assert "capacity tok/s" in capsys.readouterr().out
+
+
+def test_capacity_http_compares_the_two_faces(tmp_path):
+    """benchmarks.capacity --http: the same calls over the HTTP face, and the ratios of the two."""
+    from benchmarks import capacity
+
+    out = tmp_path / "capacity.json"
+    capacity.main(
+        ["--calls", "1", "--rates", "500", "--settings", "default", "--http", "--window-s", "0.3"]
+        + ["--json", str(out)]
+    )
+    report = json.loads(out.read_text())
+    (point,) = report["points"]["default+http"]["1"]
+    assert point["tok_per_s"] > 0 and point["errors"] == [] and not _holes(point)
+    assert report["ratios"]["1"]["top_rate_http_over_grpc_default"] > 0

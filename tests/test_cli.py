@@ -43,7 +43,10 @@ class Cli:
 
     def watch_children(self) -> dict[int, str]:
         for pid, cmdline in _children_of(self.proc.pid).items():
-            self.children.setdefault(pid, cmdline)
+            # The newest non-empty command line: a child seen between fork and exec still
+            # shows this CLI's, and a zombie's is empty.
+            if cmdline or pid not in self.children:
+                self.children[pid] = cmdline
         return self.children
 
     def wait_for(self, condition, timeout: float, what: str) -> None:
@@ -128,7 +131,7 @@ def _broken_model(demo_model_dir: Path, tmp_path: Path) -> Path:
 
 def test_a_model_that_fails_to_load_ends_serve_at_once_with_the_reason(demo_model_dir, tmp_path):
     model = _broken_model(demo_model_dir, tmp_path)
-    cli = Cli("serve", "--model", str(model), "--port", "0", "--engine-port", "0")
+    cli = Cli("serve", "--model", str(model), "--port", "0", "--engine-port", "0", "--http-port", "0")
     try:
         assert cli.wait_exit(90) == 1  # it used to wait 300 s for a frontend that never serves
         err = "".join(cli.stderr)
@@ -163,9 +166,10 @@ def test_a_signal_to_try_stops_both_services(demo_model_dir, sig, code):
 
 
 def test_serve_notices_a_dead_engine_at_once(demo_model_dir):
-    cli = Cli("serve", "--model", str(demo_model_dir), "--port", "0", "--engine-port", "0")
+    cli = Cli("serve", "--model", str(demo_model_dir), "--port", "0", "--engine-port", "0", "--http-port", "0")
     try:
         cli.wait_for(lambda: any("Tandem is serving" in line for line in cli.stdout), 120, "never served")
+        cli.wait_for(lambda: any("HTTP API on http://" in line for line in cli.stdout), 10, "no HTTP address")
         engine = next(pid for pid, c in cli.watch_children().items() if "engine_svc" in c)
         os.kill(engine, signal.SIGKILL)
         assert cli.wait_exit(30) == 1
@@ -181,3 +185,14 @@ def test_pass_through_arguments_take_every_form():
     assert tandem_cli._split(args.engine_arg) == ["--max-num-seqs=4", "--block-size=32"]
     assert tandem_cli._split(args.frontend_arg) == ["--max-n", "2"]
     assert args.prompt == "Once upon a time"  # the value after --engine-arg is not the prompt
+
+
+@pytest.mark.parametrize("mode, head", [((), "user: Hi\nassistant: "), (("--raw",), "Hi")])
+def test_try_sends_a_chat_turn_where_the_model_has_a_template_and_raw_text_on_request(demo_model_dir, mode, head):
+    cli = Cli("try", "--model", str(demo_model_dir), "--max-tokens", "4", *mode, "Hi")
+    try:
+        assert cli.wait_exit(180) == 0, "".join(cli.stderr)
+        out = "".join(cli.stdout)
+        assert out.startswith(head) and "4 generated tokens]" in out, out
+    finally:
+        cli.cleanup()

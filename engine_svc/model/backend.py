@@ -30,10 +30,12 @@ from engine_svc.model.llama import Transformer
 from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
 from engine_svc.model.native_layers import install_native_layers, install_native_linears
 from engine_svc.model.packed_linear import pack_linears, packing_supported
+from engine_svc.model.quantized_layers import install_quantized_linears
 
 logger = logging.getLogger(__name__)
 
-Matmuls = Literal["native", "onednn", "torch"]
+Matmuls = Literal["native", "onednn", "torch", "int8", "int4"]
+_QUANTIZED: dict[str, Matmuls] = {"int8": "int8", "int4": "int4"}  # --quantization: the layers' own GEMM
 
 
 def uses_native_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -98,14 +100,24 @@ def install_backend(
     device: torch.device,
     dtype: torch.dtype,
     batch_size_hint: int,
+    quantization: str | None = None,
 ) -> ModelBackend:
     """Swap the model's layers for the chosen backend's, in place; the one place that
     packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
-    packed layout is chosen for."""
+    packed layout is chosen for; ``quantization`` (``--quantization``) keeps the linear
+    layers' weights quantized on the native quantized GEMM, the LM head on the backend's."""
+    if quantization is not None and kernels is None:
+        raise ValueError(
+            f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
+            "(they need --kernels auto, a CPU with AVX2 and a C compiler once); drop --quantization"
+        )
     matmuls = choose_matmuls(kernels, wanted, device, dtype)
     if kernels is not None:
         install_native_layers(model, kernels, dtype)
     num_packed = 0
+    if quantization is not None:
+        assert kernels is not None
+        install_quantized_linears(model, kernels, quantization)
     if matmuls == "native":
         assert kernels is not None
         num_packed = install_native_linears(model, kernels, dtype)
@@ -113,7 +125,7 @@ def install_backend(
         num_packed = pack_linears(model, batch_size_hint)
     backend = ModelBackend(
         kernels=kernels,
-        matmuls=matmuls if num_packed else "torch",
+        matmuls=_QUANTIZED.get(quantization or "", matmuls if num_packed else "torch"),
         native_prefill=kernels is not None and kernels.supports_prefill_attention(model.args.head_dim),
     )
     if device.type == "cpu":

@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine_svc.model.gguf_checkpoint import gguf_source
+from engine_svc.model.gguf_weights import read_gguf_tensors
 from engine_svc.model.llama import ModelArgs, Transformer, rope_inv_freq
 from engine_svc.model.native.cpu import cpu_features
 
@@ -149,52 +152,81 @@ def _our_name(hf_name: str) -> tuple[str, int | None] | None:
 def load_model(
     model_dir: str | Path, device: torch.device | str, dtype: str | torch.dtype
 ) -> tuple[Transformer, ModelArgs]:
-    """Build the model on ``device`` in ``dtype`` with the directory's weights."""
+    """Build the model on ``device`` in ``dtype`` with the directory's weights.
+
+    A directory prepared from a GGUF file (``gguf_checkpoint.py``) holds a config.json but
+    no safetensors: its weights come from the GGUF file it names, dequantized.
+    """
     model_dir = Path(model_dir)
     dtype = resolve_dtype(dtype, device)
     args = ModelArgs.from_hf_config(read_config(model_dir))
+    gguf_path = gguf_source(model_dir)
+    if gguf_path is not None:
+        tensors, freq_factors = read_gguf_tensors(gguf_path, args)
+        return build_model(args, tensors, device, dtype, gguf_path, freq_factors=freq_factors)
+    return build_model(args, _safetensors_tensors(model_dir), device, dtype, model_dir)
 
-    state: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[int, torch.Tensor]] = {}
+
+def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                mapped = _our_name(hf_name)
-                if mapped is None:
-                    if not hf_name.endswith("rotary_emb.inv_freq"):
-                        logger.warning("ignoring unexpected weight %s in %s", hf_name, path.name)
-                    continue
-                name, part = mapped
-                tensor = f.get_tensor(hf_name).to(dtype)
-                if part is None:
-                    state[name] = tensor
-                else:
-                    parts.setdefault(name, {})[part] = tensor
+                yield hf_name, f.get_tensor(hf_name)
+
+
+def build_model(
+    args: ModelArgs,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    source: Path,
+    *,
+    freq_factors: torch.Tensor | None = None,
+) -> tuple[Transformer, ModelArgs]:
+    """The model from Hugging Face-named tensors; ``freq_factors`` ([head_dim // 2]) divide
+    the RoPE frequencies, as llama.cpp's ``rope_freqs`` tensor does."""
+    state: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for hf_name, raw in tensors:
+        mapped = _our_name(hf_name)
+        if mapped is None:
+            if not hf_name.endswith("rotary_emb.inv_freq"):
+                logger.warning("ignoring unexpected weight %s in %s", hf_name, source.name)
+            continue
+        name, part = mapped
+        tensor = raw.to(dtype)
+        if part is None:
+            state[name] = tensor
+        else:
+            parts.setdefault(name, {})[part] = tensor
     for name, pieces in parts.items():
         expected = _FUSED_PARTS[".".join(name.split(".")[-3:-1])]
         if len(pieces) != expected:
-            raise ValueError(f"{model_dir}: incomplete weights for {name} ({len(pieces)} of {expected} parts)")
+            raise ValueError(f"{source}: incomplete weights for {name} ({len(pieces)} of {expected} parts)")
         state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
-        raise ValueError(f"{model_dir}: lm_head.weight is missing and tie_word_embeddings is false")
+        raise ValueError(f"{source}: lm_head.weight is missing and tie_word_embeddings is false")
 
     with torch.device("meta"):
         model = Transformer(args)
     expected_names = {n for n in model.state_dict() if not (args.tie_word_embeddings and n == "lm_head.weight")}
     missing = sorted(expected_names - state.keys())
     if missing:
-        raise ValueError(f"{model_dir}: missing weights {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(f"{source}: missing weights {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.tie_weights()
-    model.rotary.inv_freq = rope_inv_freq(args).to(device)
+    inv_freq = rope_inv_freq(args)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.float()
+    model.rotary.inv_freq = inv_freq.to(device)
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, vocab %d, %s on %s",
         args.architecture,
-        model_dir,
+        source,
         args.num_layers,
         args.hidden_size,
         args.vocab_size,

@@ -60,10 +60,11 @@ class ModelRunner:
         kernels: str = "auto",
         batch_size_hint: int = 64,
         max_num_seqs: int = 128,
+        quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model, self.model_args, backend = self._load_model(model_dir, kernels, batch_size_hint)
+        self.model, self.model_args, backend = self._load_model(model_dir, kernels, batch_size_hint, quantization)
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
         self.native_prefill = backend.native_prefill
@@ -82,13 +83,19 @@ class ModelRunner:
     # -- construction steps ------------------------------------------------------------
 
     def _load_model(
-        self, model_dir: str, kernels: str, batch_size_hint: int
+        self, model_dir: str, kernels: str, batch_size_hint: int, quantization: str | None
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
         model, args = load_model(model_dir, self.device, self.dtype)
         backend = install_backend(
-            model, build.result(), wanted=kernels, device=self.device, dtype=self.dtype, batch_size_hint=batch_size_hint
+            model,
+            build.result(),
+            wanted=kernels,
+            device=self.device,
+            dtype=self.dtype,
+            batch_size_hint=batch_size_hint,
+            quantization=quantization,
         )
         return model, args, backend
 

@@ -68,6 +68,7 @@ class Chat:
 
     messages: list[dict[str, str]]  # {"role": ..., "content": ...}
     add_generation_prompt: bool = True
+    template_kwargs: dict = field(default_factory=dict)  # extra variables for the template (HTTP chat_template_kwargs)
 
 
 @dataclass
@@ -260,8 +261,10 @@ def render_chat(chat: Chat, tokenizer: Tokenizer, max_model_len: int | None) -> 
     if bad_role is not None:
         raise invalid(f"messages.messages[{bad_role[0]}].role", bad_role[1])
     try:
-        text = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt)
-    except ValueError as e:
+        text = tokenizer.apply_chat_template(
+            chat.messages, add_generation_prompt=chat.add_generation_prompt, **chat.template_kwargs
+        )
+    except (ValueError, TypeError) as e:  # TypeError: a template variable that clashes with an argument
         raise invalid("messages", str(e)) from e
     # The template writes the special tokens (BOS) itself.
     return encode_prompt("messages", text, tokenizer, max_model_len, add_special_tokens=False)

@@ -17,6 +17,7 @@ import hmac
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +36,9 @@ from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
 from tandem_common.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from frontend_svc.service.http.server import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +143,9 @@ class FrontendServer:
         self._stopping = asyncio.Event()
         self._health_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.http: HttpServer | None = None  # the HTTP face's server (--http-port), once started
+        self.http_port: int | None = None
+        self._serving = False  # what health says; GET /health answers the same
 
     async def start(self) -> None:
         cfg = self.config
@@ -183,6 +190,8 @@ class FrontendServer:
             ", API keys required" if keys else "",
             cfg.routing_policy,
         )
+        if cfg.http_port is not None:
+            await self._start_http(keys)
         self._write_ready_file(serving=False)
         if cfg.metrics_port:
             host = (cfg.metrics_host or cfg.host).strip("[]")  # never wider than the service itself
@@ -193,6 +202,32 @@ class FrontendServer:
         await self.router.start()
         if self.servicer.tokenizer is None:
             self._tasks.append(asyncio.create_task(self._fetch_tokenizer(), name="tokenizer"))
+
+    async def _start_http(self, keys: list[str]) -> None:
+        from frontend_svc.service.http.app import HttpFace
+        from frontend_svc.service.http.server import Guard, HttpServer, http_requests_counter
+
+        cfg = self.config
+        assert cfg.http_port is not None
+        face = HttpFace(self.servicer.generation, serving=lambda: self._serving, max_body_bytes=cfg.max_message_bytes)
+        app = Guard(face.app, keys, http_requests_counter(self.metrics.registry))
+        self.http = HttpServer(
+            app,
+            host=cfg.http_host or cfg.host,
+            port=cfg.http_port,
+            reuse_port=self.worker is not None,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            max_connections=cfg.max_concurrent_calls or None,
+            grace_s=cfg.shutdown_timeout,
+        )
+        self.http_port = await self.http.start()  # the chosen port with --http-port 0
+        logger.info(
+            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages)",
+            "https" if cfg.tls_cert else "http",
+            cfg.http_host or cfg.host,
+            self.http_port,
+        )
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -208,7 +243,7 @@ class FrontendServer:
             self.metrics.engines_refused.set(self.router.num_refused)
             now = self.router.healthy and self.servicer.tokenizer is not None and not self._stopping.is_set()
             if now != serving:
-                serving = now
+                serving = self._serving = now
                 await self._set_health(serving)
                 if not self._stopping.is_set():
                     self._write_ready_file(serving)
@@ -255,14 +290,21 @@ class FrontendServer:
     def _write_ready_file(self, serving: bool) -> None:
         cfg = self.config
         state = "serving" if serving else "listening"
-        write_ready_file(cfg.ready_file, service="frontend", host=cfg.host, port=self.port, state=state)
+        write_ready_file(
+            cfg.ready_file, service="frontend", host=cfg.host, port=self.port, state=state, http_port=self.http_port
+        )
 
     async def stop(self) -> None:
         self._stopping.set()
         remove_ready_file(self.config.ready_file)
         await self._set_health(False)
+        self._serving = False
+        stopping = []
         if self.server is not None:
-            await self.server.stop(grace=self.config.shutdown_timeout)
+            stopping.append(self.server.stop(grace=self.config.shutdown_timeout))
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,9 +1,8 @@
 """The public API, tandem.generate.v1.GenerateService: each call planned, routed, streamed.
 
     GenerateRequest ── sizes checked ── convert ──▶ GenerateInput ── planning ──▶ Plan
-                    ── router.route(), add() ──▶ engine
-    engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
-           ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
+    Plan ── Generation.stream() ──▶ ChoiceOutput ... (service/generation.py: routing, engines, text)
+         ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
 
 Errors follow the proto's contract: a CallError ends the call with the gRPC status its
 ErrorCode names (INVALID_ARGUMENT names the field), UNAVAILABLE when no engine can serve
@@ -17,17 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import time
-import uuid
 
 import grpc
 
-from frontend_svc.engine.client import EngineClient
-from frontend_svc.engine.handle import RequestHandle
-from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
+from frontend_svc.engine.router import EngineRouter
 from frontend_svc.service import convert
 from frontend_svc.service.flow import Call, InFlightCalls
+from frontend_svc.service.generation import Generation
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
@@ -43,23 +38,12 @@ from frontend_svc.service.planning import (
 )
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
-from frontend_svc.text.output_processor import ChoiceProcessor, TokenTexts
 from frontend_svc.text.tokenizer import Tokenizer
-from frontend_svc.types import (
-    CallError,
-    EngineRequestTooLargeError,
-    EngineUnavailableError,
-    ModelInfo,
-    RequestError,
-)
+from frontend_svc.types import CallError, EngineUnavailableError, ModelInfo
 from tandem_common.types import ErrorCode
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-class EngineRefused(CallError):
-    """An engine refused the request because it is draining (in-band UNAVAILABLE)."""
 
 
 def _status(code: ErrorCode) -> grpc.StatusCode:
@@ -77,25 +61,30 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         metrics: FrontendMetrics | None = None,
         tracer=None,
     ) -> None:
+        # The face-neutral part; the HTTP face (service/http/) runs its requests on the same one.
+        self.generation = Generation(
+            router, limits=limits, calls=calls, stream_interval=stream_interval, metrics=metrics, tracer=tracer
+        )
         self.router = router
-        self.stream_interval = stream_interval
-        self.limits = limits if limits is not None else RequestLimits()
-        self.calls = calls if calls is not None else InFlightCalls()
-        self.metrics = metrics or FrontendMetrics()
-        self.tracer = tracer  # None: tracing is off and no span is ever made
-        self.tokenizer_problem: str | None = None  # why there is no tokenizer, when it is for good
-        # The tokenizer with its cache of single-token texts, one value: None until it is loaded.
-        self._texts: TokenTexts | None = None
-        # Long tokenizations run on worker threads, at most one per core at once: more would
-        # not finish sooner, and each holds ~100 bytes of memory per character of text.
-        self._heavy = asyncio.Semaphore(os.cpu_count() or 1)
+        self.limits = self.generation.limits
+        self.calls = self.generation.calls
+        self.metrics = self.generation.metrics
+        self.tracer = tracer  # None: tracing is off and no span is ever made (read by @traced)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
-        return None if self._texts is None else self._texts.tokenizer
+        return self.generation.tokenizer
+
+    @property
+    def tokenizer_problem(self) -> str | None:
+        return self.generation.tokenizer_problem
+
+    @tokenizer_problem.setter
+    def tokenizer_problem(self, problem: str | None) -> None:
+        self.generation.tokenizer_problem = problem
 
     def set_tokenizer(self, tokenizer: Tokenizer) -> None:
-        self._texts = TokenTexts(tokenizer)
+        self.generation.set_tokenizer(tokenizer)
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -105,12 +94,15 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         call: Call | None = None
         try:
             call = self.calls.enter(context)
-            tokenizer, info = self._ready()
+            tokenizer, info = self.generation.ready()
             check_sizes(convert.request_sizes(request), self.limits, info)
             plan = await self._off_loop(request, self._plan, request, tokenizer, info)
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
-            await self._serve(plan, call, request, context, stats)
+            pieces = self.generation.stream(plan, stats, context.add_done_callback)
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    await call.write(context, convert.generate_response(piece, plan.text.return_token_ids))
             code = grpc.StatusCode.OK
         except CallError as e:
             code, message = _status(e.code), str(e)
@@ -131,121 +123,12 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
         return plan_generate(convert.generate_input(request), tokenizer, info, self.limits)
 
-    async def _serve(self, plan: Plan, call: Call, request, context, stats: GenerateStats) -> None:
-        """Streams the plan's responses from one engine, or from a second one when the first
-        refuses or fails before anything was written to the client."""
-        # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
-        prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
-        sent = False
-        tried: list[EngineClient] = []
-        failure: Exception | None = None
-        while True:
-            try:
-                route = await self.router.route(prompt, exclude=tried)
-                client = route.client
-            except EngineUnavailableError:
-                if failure is not None:  # the retry found no engine: the first failure says more
-                    raise failure from None
-                raise
-            try:
-                async with contextlib.aclosing(self._stream(plan, route, request, context, stats)) as responses:
-                    async for response in responses:
-                        sent = True
-                        await call.write(context, response)
-                return
-            except (EngineRefused, EngineUnavailableError) as e:
-                if sent or tried:
-                    raise
-                logger.info(
-                    "engine %s failed %s before anything was streamed (%s); trying another engine",
-                    client.address,
-                    stats.request_id or "-",
-                    e,
-                )
-                tried.append(client)
-                failure = e
-
-    async def _stream(self, plan: Plan, route: Route, request, context, stats: GenerateStats):
-        client = route.client
-        wakeup = asyncio.Event()
-        handles: list[RequestHandle] = []
-        texts = self._token_texts()
-        choices = [
-            ChoiceProcessor(i, texts.tokenizer, plan.prompt_token_ids, plan.text_params(i), texts)
-            for i in range(plan.n)
-        ]
-
-        def abort_unfinished(_context=None) -> None:
-            live = [h.request_id for h in handles if not h.finished and not h.aborted]
-            if live:
-                client.abort(live)
-
-        context.add_done_callback(abort_unfinished)
-        try:
-            arrival = time.time()
-            rids = [uuid.uuid4().hex for _ in range(plan.n)]
-            trace_context = stats.routed(client.address, rids, route.reason.value, route.predicted_cached_tokens)
-            num_prefill_tokens = len(plan.prompt_token_ids) - (route.predicted_cached_tokens or 0)
-            for i, rid in enumerate(rids):
-                handles.append(
-                    client.add(
-                        rid,
-                        plan.prompt_token_ids,
-                        plan.engine_params(i),
-                        priority=plan.priority,
-                        trace_context=trace_context,
-                        arrival_time=arrival,
-                        wakeup=wakeup,
-                        stream_interval=self.stream_interval,
-                        num_prefill_tokens=num_prefill_tokens,
-                    )
-                )
-            logger.debug(
-                "Generate %s -> engine %s as %s",
-                stats.request_id,
-                client.address,
-                ",".join(h.request_id for h in handles),
-            )
-            unfinished = set(range(plan.n))
-            while unfinished:
-                await wakeup.wait()
-                wakeup.clear()
-                # Everything that arrived while the client was slow is merged into one piece.
-                for i in sorted(unfinished):
-                    merged = handles[i].take()
-                    if merged is None:
-                        continue
-                    # --stream-interval 1: one message per token, however the tokens came.
-                    for out in merged.split() if self.stream_interval == 1 else (merged,):
-                        if out.error is not None:
-                            raise _engine_error(out.error)
-                        piece = choices[i].process(out)
-                        if piece is None:
-                            continue
-                        if piece.abort_engine:  # a stop string ended it: the engine counts a stop
-                            client.abort([handles[i].request_id], stop_string=True)
-                        if piece.finished:
-                            unfinished.discard(i)
-                        stats.piece(piece)
-                        yield convert.generate_response(piece, plan.text.return_token_ids)
-        except EngineRequestTooLargeError as e:
-            raise CallError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from None
-        finally:
-            abort_unfinished()
-            stats.generated(sum(c.num_output_tokens for c in choices))
-
-    def _ready(self) -> tuple[Tokenizer, ModelInfo]:
-        info = self.router.model_info
-        if info is None:
-            raise CallError(ErrorCode.UNAVAILABLE, "no engine is connected yet; retry later")
-        return self._tokenizer(), info
-
     # -- unary RPCs ---------------------------------------------------------------------------
 
     @traced("Tokenize")
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
-            texts = self._token_texts()
+            texts = self.generation.token_texts()
             tokenizer = texts.tokenizer
             info = self.router.model_info
             max_model_len = info.max_model_len if info is not None else None
@@ -270,7 +153,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     @traced("Detokenize")
     async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
         try:
-            tokenizer = self._tokenizer()
+            tokenizer = self.generation.loaded_tokenizer()
             if len(request.token_ids) > MAX_DETOKENIZE_IDS:
                 raise invalid(
                     "token_ids", f"at most {MAX_DETOKENIZE_IDS} ids are allowed, got {len(request.token_ids)}"
@@ -293,37 +176,9 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
 
-    def _token_texts(self) -> TokenTexts:
-        if self._texts is None:
-            if self.tokenizer_problem is not None:
-                raise CallError(ErrorCode.FAILED_PRECONDITION, self.tokenizer_problem)
-            raise CallError(ErrorCode.UNAVAILABLE, "the tokenizer is not loaded yet; retry later")
-        return self._texts
-
-    def _tokenizer(self) -> Tokenizer:
-        return self._token_texts().tokenizer
-
     async def _off_loop(self, request, fn, *args):
-        """``fn(*args)`` on a worker thread when the request is large (see _OFF_LOOP_BYTES)."""
-        if request.ByteSize() <= _OFF_LOOP_BYTES:
-            return fn(*args)
-        async with self._heavy:
-            return await asyncio.to_thread(fn, *args)
-
-
-# Requests larger than this (serialized) are tokenized on a worker thread, where inputs
-# this long release the GIL (text/tokenizer.py, _LONG_INPUT): one long prompt must not
-# stall the event loop, and with it every other call, stream and health check. Below it
-# tokenizing takes well under a millisecond.
-_OFF_LOOP_BYTES = 4096
-
-
-def _engine_error(error: RequestError) -> CallError:
-    """An engine's in-band error as the call's error (EngineRefused: it is draining)."""
-    message = error.message
-    if error.field and error.field not in message:
-        message = f"{error.field}: {message}"
-    return (EngineRefused if error.code is ErrorCode.UNAVAILABLE else CallError)(error.code, message)
+        """``fn(*args)`` on a worker thread when the request is large (generation.OFF_LOOP_BYTES)."""
+        return await self.generation.off_loop(request.ByteSize(), fn, *args)
 
 
 def _ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -50,6 +50,9 @@ def run_workers(config: FrontendConfig) -> int:
     previous = {sig: signal.signal(sig, lambda signum, _frame: stopping.append(signum)) for sig in _SIGNALS}
     held = _bind(config.host, config.port)
     port = held.getsockname()[1]
+    # --http-port: held the same way, so that every worker binds the same HTTP port too.
+    held_http = _bind(config.http_host or config.host, config.http_port) if config.http_port is not None else None
+    http_port = held_http.getsockname()[1] if held_http is not None else None
     workers: list[multiprocessing.process.BaseProcess] = []
     try:
         if config.metrics_port:
@@ -63,7 +66,12 @@ def run_workers(config: FrontendConfig) -> int:
         context = multiprocessing.get_context("spawn")
         for i in range(config.workers):
             worker_config = dataclasses.replace(
-                config, port=port, workers=1, metrics_port=0, ready_file=str(run_dir / f"ready-{i}.json")
+                config,
+                port=port,
+                http_port=http_port,
+                workers=1,
+                metrics_port=0,
+                ready_file=str(run_dir / f"ready-{i}.json"),
             )
             process = context.Process(
                 target=_worker_main, args=(worker_config, i, os.getpid()), name=f"frontend-worker-{i}"
@@ -71,9 +79,11 @@ def run_workers(config: FrontendConfig) -> int:
             process.start()
             workers.append(process)
         logger.info("%d workers on %s:%d: pids %s", len(workers), config.host, port, [w.pid for w in workers])
-        return _watch(config, port, run_dir, workers, held, stopping)
+        return _watch(config, (port, http_port), run_dir, workers, (held, held_http), stopping)
     finally:
         held.close()
+        if held_http is not None:
+            held_http.close()
         _stop(workers, config.shutdown_timeout + STOP_GRACE_S)
         _forget(workers, metrics_dir)
         remove_ready_file(config.ready_file)
@@ -86,8 +96,8 @@ def run_workers(config: FrontendConfig) -> int:
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _watch(config, port, run_dir: Path, workers, held: socket.socket, stopping: list[int]) -> int:
-    state = None
+def _watch(config, ports, run_dir: Path, workers, held, stopping: list[int]) -> int:
+    (port, http_port), state = ports, None
     while not stopping:
         for i, w in enumerate(workers):
             if not w.is_alive():
@@ -97,9 +107,12 @@ def _watch(config, port, run_dir: Path, workers, held: socket.socket, stopping: 
         now = "serving" if all(s == "serving" for s in states) else "listening" if all(states) else None
         if now is not None and now != state:
             state = now
-            if held.fileno() != -1:
-                held.close()  # every worker listens: the port is theirs
-            write_ready_file(config.ready_file, service="frontend", host=config.host, port=port, state=state)
+            for sock in held:
+                if sock is not None and sock.fileno() != -1:
+                    sock.close()  # every worker listens: the port is theirs
+            write_ready_file(
+                config.ready_file, service="frontend", host=config.host, port=port, state=state, http_port=http_port
+            )
             logger.info("all %d workers %s on %s:%d", len(workers), state, config.host, port)
         wait([w.sentinel for w in workers], timeout=POLL_S)
     logger.info("signal %d: stopping %d workers", stopping[0], len(workers))

@@ -338,3 +338,18 @@ def test_gpu_resource_name_is_configurable(chart):
     c = container(find(render(chart, values), "Deployment", ENGINE))
     assert c["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == 1
     assert "nvidia.com/gpu" not in c["resources"]["limits"]
+
+
+def test_frontend_http_port_is_opt_in_with_a_health_readiness_probe(chart):
+    values = {"frontend": {"http": {"enabled": True}}}
+    objects = render(chart, values)
+    frontend = container(find(objects, "Deployment", FRONTEND))
+    assert flag(frontend["args"], "--http-port") == ["8000"] and container_port(frontend, "http") == 8000
+    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    assert frontend["livenessProbe"]["grpc"]["port"] == 50050  # liveness stays on gRPC health
+    service = find(objects, "Service", FRONTEND)
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("grpc", 50050), ("http", 8000)]
+    tls = {**TLS_VALUES, **values}
+    frontend = container(find(render(chart, tls), "Deployment", FRONTEND))
+    assert frontend["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert "--http-port" not in container(find(render(chart), "Deployment", FRONTEND))["args"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from engine_svc.model.native.quant import QuantizedWeight
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
 
@@ -27,6 +29,7 @@ _SIGNATURES = {
     "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
     "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
     "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+    "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _P, _L, _I, _I, _I, _I, _I],
 }
 
 
@@ -122,6 +125,20 @@ class NativeKernels:
             ws.data_ptr() if code else None, torch.get_num_threads(),
         )  # fmt: skip
         _check("gemm", rc)
+        return out
+
+    def qgemm(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        """x [M, K] @ dequantized(W)^T -> [M, N] in x's dtype, W kept quantized (quant.c)."""
+        if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
+            raise ValueError(f"qgemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        xf = x if x.dtype == torch.float32 else x.float()  # the kernel reads float32 rows
+        rc = self._lib.tk_qgemm(
+            xf.data_ptr(), xf.stride(0), w.bits, w.qs.data_ptr(), w.scale.data_ptr(),
+            None if w.min is None else w.min.data_ptr(), w.group, out.data_ptr(), out.stride(0), _code(out),
+            x.shape[0], w.out_features, w.in_features, torch.get_num_threads(),
+        )  # fmt: skip
+        _check("qgemm", rc)
         return out
 
     # -- small ops --------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""Quantized linear weights as the native kernels keep them (quant.c), and the reference
+arithmetic they are tested against.
+
+    QuantizedWeight(bits, qs, scale, min, group)      w[n, k] = q[n, k] * scale[n, g] + min[n, g]
+                                                      g = k // group
+    bits 8: qs int8 [N, K]; group 16 or 32; min optional
+    bits 4: qs uint8 [N, K/2]; group 32; in group g, byte j holds q[g*32 + j] (low nibble)
+            and q[g*32 + 16 + j] (high nibble), GGUF's order, so its Q4 blocks copy as they are
+
+Every GGUF type the engine keeps quantized maps onto one of these exactly (the scales are
+float32, so a K-quant's d * sub-scale is kept without rounding); quantizing a float
+checkpoint at load uses the same layouts: ``quantize_int8`` (symmetric, per group of 32,
+like Q8_0) and ``quantize_int4`` (scale and min per group of 32, like Q4_1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    bits: int
+    qs: torch.Tensor
+    scale: torch.Tensor  # float32 [N, K / group]
+    min: torch.Tensor | None  # float32 [N, K / group], or None for symmetric groups
+    group: int
+
+    def __post_init__(self) -> None:
+        n, cols = self.qs.shape
+        k = cols * (2 if self.bits == 4 else 1)
+        if self.bits not in (4, 8) or self.group not in (16, 32) or (self.bits == 4 and self.group != 32):
+            raise ValueError(f"unsupported quantized layout: {self.bits} bits in groups of {self.group}")
+        if k % 32 or tuple(self.scale.shape) != (n, k // self.group):
+            raise ValueError(f"scales of shape {tuple(self.scale.shape)} do not fit weights of shape [{n}, {k}]")
+        if self.min is not None and self.min.shape != self.scale.shape:
+            raise ValueError("mins and scales differ in shape")
+        want = torch.int8 if self.bits == 8 else torch.uint8
+        if self.qs.dtype != want or self.scale.dtype != torch.float32 or not self.qs.is_contiguous():
+            raise ValueError(f"a {self.bits}-bit weight is contiguous {want} with float32 scales")
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qs.shape[1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.min) if t is not None)
+
+    def values(self) -> torch.Tensor:
+        """q as float32 [N, K] (the nibbles unpacked)."""
+        if self.bits == 8:
+            return self.qs.float()
+        n = self.qs.shape[0]
+        blocks = self.qs.view(n, -1, 16)
+        return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(n, -1).float()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernels compute with."""
+        n, k = self.out_features, self.in_features
+        q = self.values().view(n, k // self.group, self.group)
+        w = q * self.scale.unsqueeze(2)
+        if self.min is not None:
+            w = w + self.min.unsqueeze(2)
+        return w.reshape(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> [N, K/2] in GGUF's order within each group of 32."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def quantize_int8(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
+    """Symmetric int8 per group along K: scale = max|w| / 127 (Q8_0's rule)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    scale = g.abs().amax(dim=2) / 127.0
+    q = torch.where(scale.unsqueeze(2) > 0, g / scale.clamp_min(1e-30).unsqueeze(2), 0.0).round().clamp(-127, 127)
+    return QuantizedWeight(8, q.to(torch.int8).reshape(n, k).contiguous(), scale.contiguous(), None, group)
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
+    """Asymmetric 4-bit per group of 32: min = the group's minimum, scale = range / 15 (Q4_1's rule)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = (hi - lo) / 15.0
+    q = torch.where(scale.unsqueeze(2) > 0, (g - lo.unsqueeze(2)) / scale.clamp_min(1e-30).unsqueeze(2), 0.0)
+    q = q.round().clamp(0, 15).reshape(n, k)
+    return QuantizedWeight(4, pack_nibbles(q), scale.contiguous(), lo.contiguous(), 32)
+
+
+def take_rows(w: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """The weight's output rows in the order of ``index`` (rows are independent groups)."""
+    return QuantizedWeight(
+        w.bits,
+        w.qs[index].contiguous(),
+        w.scale[index].contiguous(),
+        None if w.min is None else w.min[index].contiguous(),
+        w.group,
+    )
+
+
+def as_int8(w: QuantizedWeight, group: int) -> QuantizedWeight:
+    """The same weight in the int8 layout with groups of ``group`` (16 or 32, no larger than
+    its own), without changing a value: 4-bit values fit int8, a group's scale repeats."""
+    if w.bits == 8 and w.group == group:
+        return w
+    if group > w.group or w.group % group:
+        raise ValueError(f"groups of {w.group} cannot become groups of {group}")
+    repeat = w.group // group
+    q = w.values().to(torch.int8) if w.bits == 4 else w.qs
+    return QuantizedWeight(
+        8,
+        q.contiguous(),
+        w.scale.repeat_interleave(repeat, dim=1).contiguous(),
+        None if w.min is None else w.min.repeat_interleave(repeat, dim=1).contiguous(),
+        group,
+    )
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights stacked along N (a fused q/k/v or gate/up projection). Parts of different
+    layouts meet in the widest one (int8, the smallest group), which changes no value."""
+    if len({(p.bits, p.group, p.min is None) for p in parts}) > 1:
+        group = min(p.group for p in parts)
+        parts = [as_int8(p, group) for p in parts]
+    if len({p.min is None for p in parts}) > 1:
+        parts = [
+            p if p.min is not None else QuantizedWeight(p.bits, p.qs, p.scale, torch.zeros_like(p.scale), p.group)
+            for p in parts
+        ]
+    first = parts[0]
+    return QuantizedWeight(
+        first.bits,
+        torch.cat([p.qs for p in parts]).contiguous(),
+        torch.cat([p.scale for p in parts]).contiguous(),
+        None if first.min is None else torch.cat([p.min for p in parts if p.min is not None]).contiguous(),
+        first.group,
+    )

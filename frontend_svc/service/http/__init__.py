@@ -1,0 +1,1 @@
+"""The frontend's HTTP face: OpenAI-compatible and Anthropic Messages APIs over the same plan as gRPC."""

@@ -1,0 +1,157 @@
+"""Anthropic Messages (``/v1/messages``, ``/v1/messages/count_tokens``) <-> plain values.
+
+    JSON body ── messages_request() ──▶ AnthropicRequest (.input: GenerateInput, rendered as chat)
+    ChoiceOutput ... ── AnthropicAnswer.events(piece) ──▶ content_block_delta ... message_delta, message_stop
+                     ── AnthropicAnswer.add(piece) ... .response() ──▶ the whole message (stream: false)
+
+``system`` becomes a leading system message; text content blocks are joined. The stream
+follows Anthropic's event sequence: message_start, content_block_start, deltas,
+content_block_stop, message_delta (stop_reason, usage), message_stop. stop_reason is
+``end_turn`` (EOS or a stop token), ``stop_sequence`` (with the string) or ``max_tokens``.
+Tool use is not served yet (``tools`` is refused, as on the OpenAI face).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from frontend_svc.service.http.errors import bad_request
+from frontend_svc.service.http.fields import Fields
+from frontend_svc.service.http.openai_requests import message_text
+from frontend_svc.service.planning import Chat, GenerateInput
+from frontend_svc.text.output_processor import ChoiceOutput
+from tandem_common.sampling import SamplingParams
+from tandem_common.types import FinishReason
+
+
+@dataclass
+class AnthropicRequest:
+    input: GenerateInput
+    model: str | None
+    stream: bool = False
+
+
+def messages_request(body, *, count_only: bool = False) -> AnthropicRequest:
+    f = Fields(body)
+    if f.list("tools"):
+        raise bad_request("tools", "tool use is not supported by this server yet; send the request without tools")
+    chat = Chat(_messages(f), add_generation_prompt=True)
+    max_tokens = f.int("max_tokens")
+    if max_tokens is None and not count_only:
+        raise bad_request("max_tokens", "is required: the most tokens to generate")
+    top_k = f.int("top_k", 0)
+    params = SamplingParams(
+        max_tokens=max_tokens or 1,
+        temperature=f.float("temperature", 1.0),
+        top_p=f.float("top_p", 1.0),
+        top_k=top_k,
+    )
+    gen = GenerateInput(
+        input="messages",
+        chat=chat,
+        params=params,
+        max_tokens_set=max_tokens is not None,
+        stop=_stop_sequences(f),
+    )
+    return AnthropicRequest(gen, f.str("model"), stream=f.bool("stream", False))
+
+
+def _messages(f: Fields) -> list[dict[str, str]]:
+    messages = f.list("messages")
+    if messages is None:
+        raise bad_request("messages", "is required: an array of {role, content} messages")
+    out = []
+    system = f.raw("system")
+    if system is not None:
+        out.append({"role": "system", "content": message_text(Fields({"content": system}, "system"))})
+    for i, m in enumerate(messages):
+        mf = Fields(m, f"messages[{i}]")
+        role = mf.str("role")
+        if role not in ("user", "assistant"):
+            raise bad_request(mf.name("role"), f"must be user or assistant, got {role!r}")
+        out.append({"role": role, "content": message_text(mf)})
+    return out
+
+
+def _stop_sequences(f: Fields) -> list[str]:
+    stops = f.list("stop_sequences")
+    if stops is None:
+        return []
+    if not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop_sequences", "must be an array of strings")
+    return stops
+
+
+def param_name(path: str) -> str:
+    name = path.removeprefix("sampling_params.")
+    if name == "stop" or name.startswith("stop["):
+        return "stop_sequences"
+    return "messages" if name.startswith(("messages", "input")) else name
+
+
+def _stop_reason(piece: ChoiceOutput) -> str:
+    if piece.finish_reason is FinishReason.LENGTH:
+        return "max_tokens"
+    return "stop_sequence" if piece.stop_str is not None else "end_turn"
+
+
+class AnthropicAnswer:
+    """One message, built piece by piece (one choice: Messages has no n)."""
+
+    def __init__(self, model: str, num_prompt_tokens: int) -> None:
+        self.id = "msg_" + uuid.uuid4().hex
+        self.model = model
+        self.num_prompt_tokens = num_prompt_tokens
+        self.text: list[str] = []
+        self.num_tokens = 0
+        self.last: ChoiceOutput | None = None
+
+    def _message(self, text: str | None) -> dict:
+        last = self.last
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [] if text is None else [{"type": "text", "text": text}],
+            "stop_reason": None if last is None else _stop_reason(last),
+            "stop_sequence": None if last is None else last.stop_str,
+            "usage": {"input_tokens": self.num_prompt_tokens, "output_tokens": self.num_tokens},
+        }
+
+    def add(self, piece: ChoiceOutput) -> None:
+        self.text.append(piece.text)
+        self.num_tokens += len(piece.token_ids)
+        if piece.finished:
+            self.last = piece
+            assert piece.usage is not None
+            self.num_tokens = piece.usage.completion_tokens
+
+    def response(self) -> dict:
+        return self._message("".join(self.text))
+
+    # -- streaming: (event name, data) pairs ------------------------------------------------
+
+    def start_events(self) -> list[tuple[str, dict]]:
+        return [
+            ("message_start", {"type": "message_start", "message": self._message(None)}),
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            ),
+        ]
+
+    def events(self, piece: ChoiceOutput) -> list[tuple[str, dict]]:
+        self.add(piece)
+        out = []
+        if piece.text:
+            delta = {"type": "text_delta", "text": piece.text}
+            out.append(("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}))
+        if piece.finished:
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            stop: dict[str, str | None] = {"stop_reason": _stop_reason(piece), "stop_sequence": piece.stop_str}
+            usage = {"output_tokens": self.num_tokens}
+            out.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))
+            out.append(("message_stop", {"type": "message_stop"}))
+        return out

@@ -1,0 +1,209 @@
+"""OpenAI request bodies -> plain values: ``/v1/completions`` and ``/v1/chat/completions``.
+
+    JSON body ── completion_request() / chat_request() ──▶ OpenAIRequest
+                   .input: GenerateInput   (the same plain values the gRPC face makes; planning checks them)
+                   .stream, .include_usage, .continuous_usage, .echo, .logprobs ...  (how to answer)
+
+Fields are read as the OpenAI API defines them, plus vLLM's documented extras where
+Tandem has the feature (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs,
+priority, chat_template_kwargs). ``user`` and other unknown fields are ignored. Tool
+calling (``tools``, ``tool_choice``) is not served yet: a request that asks for tools is
+refused by ``check_no_tools``, the one place where their conversion will go.
+
+``param_name`` turns planning's gRPC field paths back into these names for errors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from frontend_svc.service.http.errors import bad_request
+from frontend_svc.service.http.fields import Fields
+from frontend_svc.service.planning import Chat, GenerateInput
+from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
+
+
+@dataclass
+class OpenAIRequest:
+    input: GenerateInput
+    model: str | None
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    echo: bool = False  # completions: the prompt text before the output
+    logprobs: bool = False  # return logprobs (chat: content[]; completions: tokens/token_logprobs/...)
+
+
+def completion_request(body) -> OpenAIRequest:
+    f = Fields(body)
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    gen = _sampling(f, logprobs=f.int("logprobs", lo=0))
+    # One prompt per request: a string, an array of token ids, or an array holding one of them.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        gen.input, gen.text = "text", prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        gen.input, gen.token_ids = "token_ids", list(prompt)
+    elif prompt is None:
+        raise bad_request("prompt", "is required: a string or an array of token ids")
+    else:
+        raise bad_request("prompt", "must be a string or an array of token ids (one prompt per request)")
+    gen.add_special_tokens = f.bool("add_special_tokens", True)
+    return OpenAIRequest(
+        gen, f.str("model"), echo=f.bool("echo", False), logprobs=gen.params.logprobs is not None, **_stream(f)
+    )
+
+
+def chat_request(body) -> OpenAIRequest:
+    f = Fields(body)
+    check_no_tools(f)
+    logprobs = f.bool("logprobs", False)
+    top = f.int("top_logprobs", lo=0)
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs", "needs logprobs: true")
+    gen = _sampling(f, logprobs=(top or 0) if logprobs else None)
+    kwargs = f.object("chat_template_kwargs")
+    gen.input = "messages"
+    gen.chat = Chat(
+        chat_messages(f),
+        f.bool("add_generation_prompt", True),
+        template_kwargs=dict(kwargs.body) if kwargs is not None else {},
+    )
+    return OpenAIRequest(gen, f.str("model"), logprobs=logprobs, **_stream(f))
+
+
+def check_no_tools(f: Fields) -> None:
+    """Tool calling is not served yet; a request that needs it must not get plain text instead."""
+    if f.list("tools"):
+        raise bad_request("tools", "tool calling is not supported by this server yet; send the request without tools")
+    choice = f.raw("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice", "tool calling is not supported by this server yet")
+
+
+def chat_messages(f: Fields, key: str = "messages") -> list[dict[str, str]]:
+    """Messages as {"role", "content"} with text content: a string, or an array of text parts."""
+    messages = f.list(key)
+    if messages is None:
+        raise bad_request(key, "is required: an array of {role, content} messages")
+    out = []
+    for i, m in enumerate(messages):
+        mf = Fields(m, f"{key}[{i}]")
+        role = mf.str("role")
+        if not role:
+            raise bad_request(mf.name("role"), "is required (system, user, assistant ...)")
+        out.append({"role": role, "content": message_text(mf)})
+    return out
+
+
+def message_text(mf: Fields) -> str:
+    content = mf.raw("content", "")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(mf.name("content"), "must be a string or an array of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        pf = Fields(part, f"{mf.name('content')}[{j}]")
+        if pf.str("type") != "text":
+            raise bad_request(pf.name("type"), f"only text content is supported, got {pf.raw('type')!r}")
+        parts.append(pf.str("text", ""))
+    return "".join(parts)
+
+
+def _stream(f: Fields) -> dict:
+    stream = f.bool("stream", False)
+    options = f.object("stream_options")
+    include = options.bool("include_usage", False) if options is not None else False
+    continuous = options.bool("continuous_usage_stats", False) if options is not None else False
+    if options is not None and not stream:
+        raise bad_request("stream_options", "is only allowed with stream: true")
+    return {"stream": stream, "include_usage": include, "continuous_usage": continuous}
+
+
+def _sampling(f: Fields, *, logprobs: int | None) -> GenerateInput:
+    """The sampling fields both endpoints share; the prompt is filled in by the caller."""
+    max_tokens = f.int("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = f.int("max_tokens")
+    seed = f.int("seed")
+    params = SamplingParams(
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        min_tokens=f.int("min_tokens", 0),
+        temperature=f.float("temperature", 1.0),
+        top_p=f.float("top_p", 1.0),
+        top_k=f.int("top_k", 0),
+        min_p=f.float("min_p", 0.0),
+        presence_penalty=f.float("presence_penalty", 0.0),
+        frequency_penalty=f.float("frequency_penalty", 0.0),
+        repetition_penalty=f.float("repetition_penalty", 1.0),
+        seed=seed % (1 << 64) if seed is not None else None,  # OpenAI seeds are signed 64-bit
+        stop_token_ids=f.ints("stop_token_ids"),
+        ignore_eos=f.bool("ignore_eos", False),
+        logprobs=logprobs,
+        prompt_logprobs=f.int("prompt_logprobs"),
+        logit_bias=_logit_bias(f),
+        structured=_response_format(f),
+    )
+    return GenerateInput(
+        input=None,
+        params=params,
+        max_tokens_set=max_tokens is not None,
+        n=f.int("n", 1),
+        stop=f.str_or_strs("stop"),
+        include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+        priority=f.int("priority", 0),
+    )
+
+
+def _logit_bias(f: Fields) -> dict[int, float]:
+    bias = f.object("logit_bias")
+    if bias is None:
+        return {}
+    out = {}
+    for key in bias.body:
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request("logit_bias", f"keys must be token ids, got {key!r}") from None
+        out[token_id] = bias.float(key, 0.0)
+    return out
+
+
+def _response_format(f: Fields) -> StructuredOutput | None:
+    """response_format as the engine's structured output: json_schema, json_object, or text (none)."""
+    rf = f.object("response_format")
+    if rf is None:
+        return None
+    kind = rf.str("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object")
+    if kind == "json_schema":
+        js = rf.object("json_schema")
+        schema = js.raw("schema") if js is not None else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema", "is required: a JSON Schema object")
+        return StructuredOutput(kind="json_schema", text=json.dumps(schema))
+    raise bad_request("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+
+
+_RENAMED = {"text": "prompt", "token_ids": "prompt", "token_ids.ids": "prompt", "input": "prompt"}
+
+
+def param_name(path: str) -> str:
+    """A planning field path (``sampling_params.top_p``, ``messages.messages``) as the OpenAI parameter."""
+    head = path.split("[", 1)[0]
+    if head in _RENAMED:
+        return _RENAMED[head]
+    if head.startswith("messages"):
+        return "messages"
+    name = path.removeprefix("sampling_params.")
+    if name.split(".", 1)[0].split("[", 1)[0] in ("json_schema", "json_object", "structured", "constraint"):
+        return "response_format"
+    return name
