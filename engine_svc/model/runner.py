@@ -188,7 +188,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
         # Each request with drafts samples at its last real row and at every draft row.
-        verify = VerifyRows.of(batch, sample_rows, sample_requests)
+        verify = VerifyRows.of(batch, sample_rows, sample_requests, self.sampler.grammars.num_valid_drafts)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             if verify.rows:

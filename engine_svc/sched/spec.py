@@ -23,9 +23,9 @@ Adaptive rule (``propose``), so that no load is meaningfully slower than without
   ``PROBE_INTERVAL`` steps, so a request whose text starts copying gets drafts again;
 * never past ``max_tokens`` or ``max_model_len``, and never more than the budget left.
 
-Requests with repetition/presence/frequency penalties or an output constraint get no
-drafts (their per-position state is not rolled back yet); every other sampling parameter
-stays exact (see docs/speculative.md).
+Requests with repetition/presence/frequency penalties get no drafts (their token counts
+do not follow drafts yet); every other sampling parameter and output constraints stay
+exact (see docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -209,9 +209,4 @@ class Speculator:
 def speculable(request: Request) -> bool:
     """Whether drafts for ``request`` keep its output exact (docs/speculative.md)."""
     params = request.sampling_params
-    return (
-        params.structured is None
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-    )
+    return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0

@@ -72,7 +72,7 @@ def test_adaptive_rule():
     assert spec.propose(make_request("b", COPY, max_tokens=3), 1, 100) == [12, 13]  # the bonus token fits
     assert spec.propose(make_request("c", COPY, repetition_penalty=1.2), 1, 100) == []
     json_only = StructuredOutput(kind="json_object")
-    assert spec.propose(make_request("d", COPY, structured=json_only), 1, 100) == []
+    assert spec.propose(make_request("d", COPY, structured=json_only), 1, 100) == [12, 13, 14, 15]
     # Acceptance falls: the draft shrinks, then stops, with a one-token probe now and then.
     spec.record("a", 4, 0)
     assert len(spec.propose(r, 1, 100)) == 3

@@ -10,16 +10,20 @@ on, in float32.
 from __future__ import annotations
 
 import random
+import shutil
 from collections import Counter
 
 import pytest
 from scipy.stats import chi2_contingency
+from tokenizers import Tokenizer
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import Completion, EngineCore
+from engine_svc.demo_model import VOCAB_SIZE as DEMO_VOCAB
 from engine_svc.sched.spec import SpecStats, SpeculativeConfig
-from engine_svc.types import SamplingParams
+from engine_svc.types import FinishReason, SamplingParams
 from tests.model_factory import make_model_dir
+from tests.structured_cases import CONSTRAINTS, VALID
 
 VOCAB = 512
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=64)
@@ -152,3 +156,39 @@ def test_sampled_distribution_kept(loop_model_dir):
         p_value = chi2_contingency(table).pvalue
         print(f"position {position}: chi-square p = {p_value:.3f} over {len(common) + 1} bins")
         assert p_value > 1e-3, (position, p_value, table)
+
+
+@pytest.fixture(scope="module")
+def loop_model_with_tokenizer(tmp_path_factory, demo_model_dir):
+    """The loop-prone model with the demo vocabulary and tokenizer, so grammars compile."""
+    path = make_model_dir(tmp_path_factory.mktemp("spec") / "loop-tok", vocab_size=DEMO_VOCAB, initializer_range=0.02)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(demo_model_dir / name, path / name)
+    return path
+
+
+def test_structured_output_valid_and_identical(loop_model_with_tokenizer, demo_model_dir):
+    """Every constraint kind, greedy and seeded: outputs equal with drafts on and off, all
+    valid, and drafts were accepted inside constrained outputs (the grammar advanced
+    through them) and cut or rejected where it forbids them."""
+    tokenizer = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    prompts, params = [], []
+    for kind, constraint in CONSTRAINTS.items():
+        for i in range(6):
+            prompts.append(tokenizer.encode(f"item {i} of {kind}: ").ids)
+            temperature = 0.0 if i % 2 == 0 else 0.8
+            params.append(SamplingParams(max_tokens=80, temperature=temperature, seed=i, structured=constraint))
+    off, _, core_off = run(loop_model_with_tokenizer, prompts, params, None)
+    on, stats, core_on = run(loop_model_with_tokenizer, prompts, params, SPEC)
+    for core in (core_off, core_on):
+        core.structured.shutdown()
+    assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert tokens(on) == tokens(off)
+    kinds = [kind for kind in CONSTRAINTS for _ in range(6)]
+    for kind, c in zip(kinds, on):
+        assert c.error is None, c.error
+        if c.finish_reason == FinishReason.STOP:
+            # This model's EOS id (2) is an ordinary token of the demo tokenizer: drop it.
+            assert c.output_token_ids[-1] == c.stop_token_id
+            text = tokenizer.decode(c.output_token_ids[:-1], skip_special_tokens=True)
+            assert VALID[kind](text), (kind, text)

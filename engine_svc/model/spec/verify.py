@@ -17,12 +17,14 @@ probability p(d), and on rejection the token is drawn from p with d excluded, wh
 norm(max(p - onehot(d), 0)). Every emitted token is therefore distributed (and, for a
 greedy or seeded row, chosen) exactly as without drafts; the token after the last
 accepted draft is the normal sampler's. Logprobs come from each row's raw logits, as
-without drafts.
+without drafts. A constrained request's drafts are cut where its grammar forbids one, and
+its draft rows are masked by its matcher advanced through the drafts before them
+(``model/structured/masks.py``), which then rolls back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine_svc.model.sampler import SamplerOutput
@@ -39,6 +41,16 @@ class PositionView:
     def __init__(self, request: RequestView, draft_token_ids: Sequence[int]) -> None:
         self._request = request
         self._drafts = list(draft_token_ids)
+
+    @property
+    def draft_base(self) -> RequestView:
+        """The request this row belongs to (the grammar stage advances its matcher)."""
+        return self._request
+
+    @property
+    def draft_token_ids(self) -> Sequence[int]:
+        """The drafts before this row."""
+        return self._drafts
 
     @property
     def request_id(self) -> str:
@@ -107,16 +119,27 @@ class VerifyRows:
 
     @classmethod
     def of(
-        cls, batch: list[ScheduledRequest], sample_rows: list[int], sample_requests: list[RequestView]
+        cls,
+        batch: list[ScheduledRequest],
+        sample_rows: list[int],
+        sample_requests: list[RequestView],
+        num_valid_drafts: Callable[[RequestView, list[int]], int],
     ) -> VerifyRows:
         """``sample_rows``/``sample_requests`` from ``logits_rows`` (one row per request
-        that samples: its last real row; its drafts' rows follow it in the batch)."""
+        that samples: its last real row; its drafts' rows follow it in the batch).
+
+        A constrained request's drafts are cut at the first one its grammar forbids
+        (``num_valid_drafts``): the rows after it are computed but never sampled, and
+        count as rejected.
+        """
         drafts = {s.request.request_id: s.draft_token_ids for s in batch if s.draft_token_ids}
         rows: list[int] = []
         views: list[RequestView] = []
         groups: list[_Group] = []
         for row, request in zip(sample_rows, sample_requests):
             draft_token_ids = drafts.get(request.request_id, [])
+            if draft_token_ids and request.grammar is not None:
+                draft_token_ids = draft_token_ids[: num_valid_drafts(request, draft_token_ids)]
             groups.append(_Group(request, len(rows), draft_token_ids))
             rows.append(row)
             views.append(request)
