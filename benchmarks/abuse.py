@@ -14,6 +14,7 @@ before a change: compare the two outputs. Scenarios:
     parked          N clients that read nothing: frontend memory per stream, engine still running
     hung-engine     the engine is stopped (SIGSTOP) mid-stream: seconds until the call ends
     slow-reader     the engine is killed while a slow reader's output waits: seconds to the end
+    nested-schema, regex-bomb, bomb-memory, cancelled-compiles: structured output (abuse_structured.py)
 
 and those of benchmarks/abuse_frontend.py (prefix-flood, black-hole, fair-share,
 metrics-flood, chat-role, stale-ready).
@@ -30,6 +31,7 @@ from pathlib import Path
 import grpc
 
 from benchmarks.abuse_kit import BIG, SMALL_WINDOW, Victim, outcome, req, rss_mib
+from benchmarks.abuse_structured import SCENARIOS as STRUCTURED_SCENARIOS
 from tandem_protos.tandem.generate.v1 import generate_pb2_grpc
 from tests.rpc.frontend_calls import engine_load
 from tests.services import start_engine, start_frontend
@@ -154,6 +156,7 @@ SCENARIOS = {
     "parked": parked,
     "hung-engine": hung_engine,
     "slow-reader": slow_reader,
+    **STRUCTURED_SCENARIOS,
 }
 
 

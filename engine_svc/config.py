@@ -48,7 +48,7 @@ class EngineConfig:
     tls_ca: str | None = None
     num_threads: int | None = None
     kernels: str = "auto"
-    quantization: str | None = None
+    quantization: str = "auto"
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
@@ -118,10 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--quantization",
         default=d.quantization,
-        choices=["int8", "int4"],
-        help="keep the linear layers' weights quantized at load and run them on the native quantized "
-        "GEMM: int8 (symmetric, groups of 32) or int4 (scale and min per group of 32); the LM head and "
-        "the embeddings keep --dtype. Needs the native kernels (default: off)",
+        choices=["auto", "none", "int8", "int4"],
+        help="auto: a GGUF file's quantized tensors stay quantized and run on the native quantized GEMM "
+        "(where the native kernels run), float checkpoints stay float; none: GGUF weights dequantized to "
+        "--dtype at load; int8 / int4: every linear layer but the LM head quantized at load (int8 "
+        "symmetric, int4 with a min, groups of 32; needs the native kernels)",
     )
     m.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d.seed, help="seed of the sampler's shared generator")
 
@@ -138,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--structured-output-timeout-s",
         type=float,
         default=d.structured_output_timeout_s,
-        help="a request whose grammar is not compiled this many seconds after it arrived fails with "
-        "INVALID_ARGUMENT (the compile goes on and is cached for later requests)",
+        help="a request whose grammar has compiled this many seconds fails with INVALID_ARGUMENT (the "
+        "compile goes on and is cached for later requests); one whose compile has not started this many "
+        "seconds after it arrived fails with RESOURCE_EXHAUSTED",
     )
 
     sp = p.add_argument_group("speculative decoding (docs/speculative.md)")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine_svc.config import EngineConfig
+from engine_svc.grammar_compiler import GrammarCompiler
 from engine_svc.model.gguf_checkpoint import resolve_model_dir
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import EngineOutput, EngineStats, ModelInfo, StepStats
@@ -27,7 +28,6 @@ from engine_svc.sched.kv_events import KvEventLog
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler, SchedulerObserver
 from engine_svc.sched.spec import Speculator
-from engine_svc.structured import StructuredOutputs
 from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 from tandem_common.block_hash import BlockHash
 from tandem_common.kv_events import KvEvent
@@ -99,7 +99,7 @@ class EngineCore:
             self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
         )
         # Constrained requests wait here, outside the scheduler, while their grammar compiles.
-        self.structured = StructuredOutputs.for_model(
+        self.structured = GrammarCompiler.for_model(
             self.model_dir,
             self.vocab_size,
             self.eos_token_ids,

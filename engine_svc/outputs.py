@@ -112,7 +112,7 @@ class StepStats:
 
 @dataclass(frozen=True)
 class StructuredStats:
-    """Structured output since the engine started (``engine_svc/structured.py``)."""
+    """Structured output since the engine started (``engine_svc/grammar_compiler.py``)."""
 
     requests_by_kind: tuple[tuple[str, int], ...] = ()  # constrained requests received, by kind
     num_cache_hits: int = 0  # requests whose grammar was already compiled

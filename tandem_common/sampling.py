@@ -11,6 +11,14 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from tandem_common.constraint_cost import (
+    MAX_JSON_SCHEMA_DEPTH,
+    MAX_REPEATED_ATOMS,
+    json_depth,
+    repeated_atoms,
+    schema_patterns,
+)
+
 DEFAULT_MAX_TOKENS = 16  # when a request does not say (the frontend also caps it to the context left)
 MAX_LOGPROBS = 20  # top alternatives per token, for logprobs and prompt_logprobs
 # Sizes of the repeated and map fields. Each is checked from its length alone, before any
@@ -185,6 +193,8 @@ def check_structured_output(s: StructuredOutput) -> FieldError | None:
         return _check_json_schema(s.text)
     if s.kind in ("regex", "grammar") and not s.text:
         return FieldError(name, f"the {s.kind} is empty")
+    if s.kind in ("regex", "grammar"):
+        return _check_regex(name, s.text)
     if s.kind == "grammar" and s.grammar_syntax not in GRAMMAR_SYNTAXES:
         return FieldError("grammar.syntax", f"must be one of {GRAMMAR_SYNTAXES}, got {s.grammar_syntax!r}")
     if s.kind == "choice":
@@ -201,12 +211,38 @@ def check_structured_output(s: StructuredOutput) -> FieldError | None:
 def _check_json_schema(text: str) -> FieldError | None:
     if not text.strip():
         return FieldError("json_schema", 'the JSON schema is empty; send a JSON Schema object, e.g. {"type": "object"}')
+    # Measured before json.loads, which recurses once per level (tandem_common/constraint_cost.py).
+    depth = json_depth(text)
+    if depth > MAX_JSON_SCHEMA_DEPTH:
+        return FieldError(
+            "json_schema", f"nests objects and arrays {depth} levels deep; the limit is {MAX_JSON_SCHEMA_DEPTH} levels"
+        )
     try:
         schema = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return FieldError("json_schema", f"is not valid JSON: {e}")
     if not isinstance(schema, dict):
         return FieldError("json_schema", f"must be a JSON object (a JSON Schema), got {_json_type(schema)}")
+    # Summed over the schema's patterns: a hundred patterns at the limit cost a hundred times as much.
+    added = sum(repeated_atoms(pattern) for pattern in schema_patterns(schema))
+    if added > MAX_REPEATED_ATOMS:
+        return FieldError(
+            "json_schema",
+            f"has patterns whose counted repetitions ({{n}}, {{n,m}}) add {added} atoms once unrolled; the limit "
+            f"is {MAX_REPEATED_ATOMS} for all patterns together: use smaller counts, or * and + where the length "
+            "need not be exact",
+        )
+    return None
+
+
+def _check_regex(name: str, pattern: str) -> FieldError | None:
+    added = repeated_atoms(pattern)
+    if added > MAX_REPEATED_ATOMS:
+        return FieldError(
+            name,
+            f"has counted repetitions ({{n}}, {{n,m}}) that add {added} atoms once unrolled; the limit is "
+            f"{MAX_REPEATED_ATOMS}: use smaller counts, or * and + where the length need not be exact",
+        )
     return None
 
 

@@ -7,7 +7,12 @@ import socket
 
 import pytest
 
+from tests.process_marks import mark_tests_that_start_processes
 from tests.services import start_engine, start_frontend
+
+
+def pytest_collection_modifyitems(config, items):
+    mark_tests_that_start_processes(items)  # the ``services`` marker: pytest -m "not services"
 
 
 @pytest.fixture(scope="session")

@@ -28,13 +28,14 @@ import torch
 
 from engine_svc.model.llama import Transformer
 from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
+from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.native_layers import install_native_layers, install_native_linears
 from engine_svc.model.packed_linear import pack_linears, packing_supported
-from engine_svc.model.quantized_layers import install_quantized_linears
+from engine_svc.model.quantized_layers import install_prequantized_linears, install_quantized_linears
 
 logger = logging.getLogger(__name__)
 
-Matmuls = Literal["native", "onednn", "torch", "int8", "int4"]
+Matmuls = Literal["native", "onednn", "torch", "int8", "int4", "gguf"]
 _QUANTIZED: dict[str, Matmuls] = {"int8": "int8", "int4": "int4"}  # --quantization: the layers' own GEMM
 
 
@@ -101,11 +102,14 @@ def install_backend(
     dtype: torch.dtype,
     batch_size_hint: int,
     quantization: str | None = None,
+    prequantized: dict[str, QuantizedWeight] | None = None,
 ) -> ModelBackend:
     """Swap the model's layers for the chosen backend's, in place; the one place that
     packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
     packed layout is chosen for; ``quantization`` (``--quantization``) keeps the linear
-    layers' weights quantized on the native quantized GEMM, the LM head on the backend's."""
+    layers' weights quantized on the native quantized GEMM, the LM head on the backend's;
+    ``prequantized`` are quantized weights read as they are (a GGUF file's), for the layers
+    they name."""
     if quantization is not None and kernels is None:
         raise ValueError(
             f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
@@ -115,6 +119,8 @@ def install_backend(
     if kernels is not None:
         install_native_layers(model, kernels, dtype)
     num_packed = 0
+    if prequantized and kernels is not None:
+        install_prequantized_linears(model, kernels, prequantized)
     if quantization is not None:
         assert kernels is not None
         install_quantized_linears(model, kernels, quantization)
@@ -125,7 +131,7 @@ def install_backend(
         num_packed = pack_linears(model, batch_size_hint)
     backend = ModelBackend(
         kernels=kernels,
-        matmuls=_QUANTIZED.get(quantization or "", matmuls if num_packed else "torch"),
+        matmuls=_QUANTIZED.get(quantization or "", "gguf" if prequantized else matmuls if num_packed else "torch"),
         native_prefill=kernels is not None and kernels.supports_prefill_attention(model.args.head_dim),
     )
     if device.type == "cpu":

@@ -132,7 +132,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
 
 
-def _our_name(hf_name: str) -> tuple[str, int | None] | None:
+def our_name(hf_name: str) -> tuple[str, int | None] | None:
     """(our parameter name, part index for fused weights) or None for names we skip."""
     if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
         return hf_name.removeprefix("model."), None
@@ -188,7 +188,7 @@ def build_model(
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for hf_name, raw in tensors:
-        mapped = _our_name(hf_name)
+        mapped = our_name(hf_name)
         if mapped is None:
             if not hf_name.endswith("rotary_emb.inv_freq"):
                 logger.warning("ignoring unexpected weight %s in %s", hf_name, source.name)

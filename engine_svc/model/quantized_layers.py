@@ -62,6 +62,32 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
     raise ValueError(f"unknown quantization {method!r}; known: {', '.join(QUANTIZATIONS)}")
 
 
+def install_prequantized_linears(
+    model: Transformer, kernels: NativeKernels, weights: dict[str, QuantizedWeight]
+) -> int:
+    """Swap the linear layers named in ``weights`` (a GGUF's blocks, ``gguf_quantized.py``)
+    for QuantizedLinear layers over them; returns how many."""
+    for name, qw in weights.items():
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear) and tuple(linear.weight.shape) == (qw.out_features, qw.in_features), name
+        _swap(model, name, QuantizedLinear(kernels, qw, linear.bias, silu_mul=_is_gate_up(model, name)))
+    return len(weights)
+
+
+def _is_gate_up(model: Transformer, name: str) -> bool:
+    parent_name, _, attr = name.rpartition(".")
+    return isinstance(model.get_submodule(parent_name), MLP) and attr == "gate_up_proj"
+
+
+def _swap(model: Transformer, name: str, layer: QuantizedLinear) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    setattr(parent, attr, layer)
+    if layer.silu_mul:
+        assert isinstance(parent, MLP)
+        parent.act_fused = True
+
+
 def install_quantized_linears(model: Transformer, kernels: NativeKernels, method: str) -> int:
     """Quantize every linear layer but the LM head, in place; returns how many. A layer
     whose input width is not a whole number of groups of 32 keeps its dtype."""
@@ -69,14 +95,8 @@ def install_quantized_linears(model: Transformer, kernels: NativeKernels, method
     for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         if name == "lm_head" or linear.in_features % 32:
             continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        fuse = isinstance(parent, MLP) and attr == "gate_up_proj"
         qw = quantize(linear.weight, method)
-        setattr(parent, attr, QuantizedLinear(kernels, qw, linear.bias, silu_mul=fuse))
-        if fuse:
-            assert isinstance(parent, MLP)
-            parent.act_fused = True
+        _swap(model, name, QuantizedLinear(kernels, qw, linear.bias, silu_mul=_is_gate_up(model, name)))
         count += 1
         weight_bytes += linear.weight.numel() * linear.weight.element_size()
         quantized_bytes += qw.nbytes

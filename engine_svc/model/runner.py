@@ -28,10 +28,13 @@ import torch
 
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
+from engine_svc.model.gguf_checkpoint import gguf_source
+from engine_svc.model.gguf_quantized import read_quantized_linears
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
+from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
 from engine_svc.model.spec import VerifyRows
 from engine_svc.model.threads import ThreadGovernor
@@ -88,16 +91,32 @@ class ModelRunner:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
         model, args = load_model(model_dir, self.device, self.dtype)
+        native = build.result()
         backend = install_backend(
             model,
-            build.result(),
+            native,
             wanted=kernels,
             device=self.device,
             dtype=self.dtype,
             batch_size_hint=batch_size_hint,
-            quantization=quantization,
+            quantization=quantization if quantization in ("int8", "int4") else None,
+            prequantized=self._gguf_quantized(model_dir, args, native is not None, quantization),
         )
         return model, args, backend
+
+    @staticmethod
+    def _gguf_quantized(
+        model_dir: str, args: ModelArgs, have_kernels: bool, quantization: str | None
+    ) -> dict[str, QuantizedWeight] | None:
+        """A GGUF file's quantized blocks as they are (``--quantization auto``, the default,
+        where the native kernels run); else its weights stay dequantized."""
+        gguf_path = gguf_source(model_dir)
+        if gguf_path is None or quantization not in (None, "auto"):
+            return None
+        if not have_kernels:
+            logger.info("GGUF weights dequantized to the serving dtype: the quantized GEMM needs the native kernels")
+            return None
+        return read_quantized_linears(gguf_path, args)
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
@@ -188,7 +207,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
         # Each request with drafts samples at its last real row and at every draft row.
-        verify = VerifyRows.of(batch, sample_rows, sample_requests, self.sampler.grammars.num_valid_drafts)
+        verify = VerifyRows.of(batch, sample_rows, sample_requests, self.sampler.state.grammars.num_valid_drafts)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             if verify.rows:

@@ -13,6 +13,11 @@ not would stream part of its output and then fail, or preempt everything else fo
 nothing; it is refused up front instead, with the largest max_tokens that would fit.
 Retrying cannot help (the pool does not grow), hence INVALID_ARGUMENT, like a prompt
 longer than the context.
+
+This is the rule's only owner. The scheduler relies on it: a request it queues never
+needs more than the whole pool, so a request that waits for blocks waits for other
+requests to give theirs back, never forever (``Scheduler.add_request`` refuses one that
+skipped admission, as a caller bug).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ def check_admission(
         return RequestError(ErrorCode.UNAVAILABLE, "the engine is shutting down; retry on another engine")
     error = check_request(request, vocab_size=limits.vocab_size, max_model_len=limits.max_model_len)
     if error is None:
-        error = check_kv_capacity(request, limits)
+        error = check_kv_capacity(
+            request, kv_capacity_tokens=limits.kv_capacity_tokens, max_model_len=limits.max_model_len
+        )
     if error is not None:
         return error
     if num_waiting >= limits.max_waiting:
@@ -51,9 +58,10 @@ def check_admission(
     return None
 
 
-def check_kv_capacity(request: Request, limits: AdmissionLimits) -> RequestError | None:
-    """Whether the KV pool can ever hold the request at its longest (see the module docstring)."""
-    capacity = limits.kv_capacity_tokens
+def check_kv_capacity(request: Request, *, kv_capacity_tokens: int, max_model_len: int) -> RequestError | None:
+    """Whether a KV pool of ``kv_capacity_tokens`` (blocks x block size) can ever hold the
+    request at its longest (see the module docstring)."""
+    capacity = kv_capacity_tokens
     num_prompt = request.num_prompt_tokens
     if num_prompt >= capacity:
         return _invalid(
@@ -61,7 +69,7 @@ def check_kv_capacity(request: Request, limits: AdmissionLimits) -> RequestError
             f"the prompt has {num_prompt} tokens but this engine's KV cache holds {capacity} tokens in all; "
             f"shorten the prompt to at most {capacity - 1} tokens",
         )
-    longest = min(num_prompt + request.sampling_params.max_tokens, limits.max_model_len)
+    longest = min(num_prompt + request.sampling_params.max_tokens, max_model_len)
     if longest > capacity:
         field = "sampling_params.max_tokens"
         return _invalid(

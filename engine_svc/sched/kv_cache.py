@@ -94,21 +94,6 @@ class KVCacheManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.num_hits / self.num_queries if self.num_queries else 0.0
 
-    def pool_error(self, num_tokens: int) -> str | None:
-        """Why a request of ``num_tokens`` tokens can never run here, or None.
-
-        A request must hold the blocks of all its tokens at once to produce its next
-        token; if the whole pool is smaller, it is refused rather than preempting every
-        other request for nothing.
-        """
-        num_needed = -(-num_tokens // self.block_size)
-        if num_needed <= self.num_blocks:
-            return None
-        return (
-            f"the request needs {num_needed} KV blocks for {num_tokens} tokens "
-            f"(block size {self.block_size}) but the whole KV cache has {self.num_blocks} blocks"
-        )
-
     def get_block_ids(self, request_id: str) -> list[int]:
         return list(self._tables.get(request_id, ()))
 

@@ -55,7 +55,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.trace_context = trace_context or {}
         # The compiled output constraint, set by EngineCore before the request is queued
-        # (engine_svc/structured.py); opaque here.
+        # (engine_svc/grammar_compiler.py); opaque here.
         self.grammar: object | None = None
 
         self.output_token_ids: list[int] = []

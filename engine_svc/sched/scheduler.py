@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine_svc.sched.admission import check_kv_capacity
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
 from engine_svc.sched.spec import Speculator
@@ -161,17 +162,22 @@ class Scheduler:
         self.speculator = speculator  # drafts for decoding requests; None: no speculation
         # Ids that ended or were preempted since the last schedule(): the runner drops their state.
         self._finished_ids: set[str] = set()
-        # Outputs of requests refused outside update_from_output (too big for the pool);
-        # update_from_output hands them out, so the core must call it every step.
-        self._pending_outputs: list[EngineOutput] = []
 
     # -- requests in and out ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue an admitted request (``engine_svc.sched.admission``). Duplicate ids are a
-        caller bug, not a client error."""
+        """Queue an admitted request (``engine_svc.sched.admission``). Duplicate ids and
+        requests the KV pool can never hold are caller bugs, not client errors: admission
+        refuses the latter, and the scheduler relies on it (a queued request that waits for
+        blocks must be able to get them once others give theirs back)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
+        kv = self.kv_cache_manager
+        error = check_kv_capacity(
+            request, kv_capacity_tokens=kv.num_blocks * kv.block_size, max_model_len=self.max_model_len
+        )
+        if error is not None:
+            raise ValueError(f"request {request.request_id!r} skipped admission: {error.message}")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
@@ -230,11 +236,11 @@ class Scheduler:
                 self.waiting.add_front(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._pending_outputs)
+        return bool(self.requests)
 
     def has_work(self) -> bool:
         """Whether a step could do anything: unfinished requests that are not paused."""
-        return len(self.requests) > len(self.paused) or bool(self._pending_outputs)
+        return len(self.requests) > len(self.paused)
 
     @property
     def num_running(self) -> int:
@@ -277,10 +283,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            if (message := self._too_big_for_pool(request)) is not None:  # outgrew the pool
-                self.running.remove(request)
-                self._refuse(request, message)
-                continue
+            # Admission made sure the request fits the pool alone, so preempting the others
+            # always makes room, unless the request is itself the victim first. Its drafts'
+            # slots are not part of that promise: they go first.
             draft_token_ids = self._drafts(request, num_new, budget)
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new + len(draft_token_ids))) is None:
                 if draft_token_ids:  # the draft slots go before any request is preempted
@@ -304,10 +309,6 @@ class Scheduler:
         rows = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if (message := self._too_big_for_pool(request)) is not None:
-                self.waiting.pop()
-                self._refuse(request, message)
-                continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
@@ -329,7 +330,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs: list[EngineOutput] = []
         for s in scheduler_output.scheduled:
             request = self.requests.get(s.request.request_id)
             if request is None:  # aborted after schedule(): drop what the runner made
@@ -400,15 +401,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         self._finished_ids.add(request.request_id)  # the runner drops its per-request state
-
-    def _too_big_for_pool(self, request: Request) -> str | None:
-        """Why ``request`` can never run, or None: it outgrew the pool while it ran or waited."""
-        return self.kv_cache_manager.pool_error(request.num_tokens)
-
-    def _refuse(self, request: Request, message: str) -> None:
-        """Finish a request that can never run; its output goes out with the next update."""
-        error = RequestError(ErrorCode.RESOURCE_EXHAUSTED, message)
-        self._pending_outputs.append(self._finish_with_error(request, error))
 
     def _finish_with_error(self, request: Request, error: RequestError) -> EngineOutput:
         """Finish ``request`` with an in-band error; the caller takes it out of the queues."""

@@ -40,6 +40,7 @@ from engine_svc.core import EngineCore
 from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
 from engine_svc.sched.kv_events import snapshot_events, split_events
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
+from engine_svc.service.loop_faults import end_streams, failed_add
 from engine_svc.types import ErrorCode, FinishReason, RequestError, SamplingParams
 from tandem_common.kv_events import KvEvent
 from tandem_common.logs import printable
@@ -178,6 +179,9 @@ class EngineLoop:
         self._rejected: list[tuple[int, RejectedAdd]] = []  # this turn's refused duplicate adds
         self._running = False
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # why the engine thread died; None while it runs
+        # Called on the dying engine thread with that fault (the server turns NOT_SERVING).
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     def add_listener(self, listener: RequestListener) -> None:
         """Send request lifecycle events to ``listener`` (tracing, metrics). Call before requests arrive."""
@@ -209,7 +213,10 @@ class EngineLoop:
                     return
                 finally:
                     built.set()
-            self._run()
+            try:
+                self._run()
+            except BaseException as e:  # noqa: BLE001 - reported to every stream, then the thread ends
+                self._die(e)
 
         self._running = True
         self._thread = threading.Thread(target=main, name="engine-loop", daemon=True)
@@ -226,6 +233,8 @@ class EngineLoop:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.core is not None:
+            self.core.structured.shutdown()
 
     def open_stream(self, sink: Sink) -> int:
         stream_id = next(self._stream_ids)
@@ -294,7 +303,7 @@ class EngineLoop:
                 self._num_adds_applying = sum(isinstance(c, Add) for c in commands)
             outputs: list[EngineOutput] = []
             for command in commands:
-                outputs.extend(self._apply(command))
+                outputs.extend(self._apply_alone(command))
             step_outputs: list[EngineOutput] = []
             if core.has_work():
                 try:
@@ -322,6 +331,30 @@ class EngineLoop:
         if self.on_stats is not None:
             self.on_stats(stats, step_outputs)
         return stats
+
+    def _apply_alone(self, command: Command) -> list[EngineOutput]:
+        """Apply one command; a fault fails its request alone, never the loop (``loop_faults.py``)."""
+        try:
+            return self._apply(command)
+        except Exception:
+            logger.exception("applying %s failed", type(command).__name__)
+            if isinstance(command, Add) and (stream := self._streams.get(command.stream_id)) is not None:
+                self._forget_failed_add(command.stream_id, stream, command.command.request_id)
+            return []
+
+    def _forget_failed_add(self, stream_id: int, stream: _Stream, request_id: str) -> None:
+        """Undo what a failed add left behind; its client gets a refused add."""
+        engine_id = stream.live.pop(request_id, None)
+        if engine_id is not None and self._owners.pop(engine_id, None) is not None and self.core is not None:
+            self.core.abort([engine_id])
+        self._rejected.append((stream_id, failed_add(request_id)))
+
+    def _die(self, error: BaseException) -> None:
+        logger.critical("the engine loop died; the engine can serve nothing more", exc_info=error)
+        self.failure, self._running = error, False
+        if self.on_failure is not None:  # health first, so nothing routes here while streams end
+            self.on_failure(error)
+        end_streams([stream.sink for stream in self._streams.values()], self.stats)
 
     def _apply(self, command: Command) -> list[EngineOutput]:
         core = self.core

@@ -128,6 +128,12 @@ class EngineServer:
         self.engine = engine
         self._observe(engine, core.model_name)
         self.servicer.attach(LoadedEngine(engine, core.model_info(), core.model_dir))
+        loop = asyncio.get_running_loop()
+
+        def on_failure(_: BaseException) -> None:  # on the dying engine thread
+            asyncio.run_coroutine_threadsafe(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING), loop)
+
+        engine.on_failure = on_failure
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         write_ready_file(cfg.ready_file, service="engine", host=cfg.host, port=self.port, state="serving")
         logger.info("serving (ready %.2f s after start of loading)", time.perf_counter() - t0)

@@ -43,6 +43,9 @@ class LoadedEngine:
     model_dir: Path  # the tokenizer files are read from here
 
 
+_ENGINE_DIED = "the engine's loop failed (see its log); it serves nothing more: use another engine"
+
+
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one EngineLoop. ``loaded`` is None until the model is loaded and warmed up."""
 
@@ -66,6 +69,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if self.loaded is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model; retry shortly")
             raise AssertionError("context.abort raises")
+        if self.loaded.loop.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _ENGINE_DIED)
         return self.loaded
 
     async def close_streams(self, timeout: float) -> None:
@@ -100,6 +105,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             async with aclosing(session.responses(request_iterator)) as responses:
                 async for response in responses:
                     yield response
+            if engine.failure is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, _ENGINE_DIED)
             if self._closing:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine shut down; use another engine")
         except (DecodeError, MalformedCommand) as error:

@@ -50,6 +50,7 @@ from frontend_svc.engine.channel import (
 )
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.prefix_index import PrefixIndex
+from frontend_svc.engine.wakeups import Wakeups, read_stream
 from frontend_svc.engine.watchdog import ProgressWatchdog
 from frontend_svc.types import (
     EngineLoad,
@@ -69,12 +70,6 @@ ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never con
 DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
 DEFAULT_PROGRESS_TIMEOUT_S = 30.0  # requests waiting this long while nothing advances: a black hole
 REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
-# Adaptive coalescing (see _read): the idle event-loop turns a finished read is looked
-# for, how long a turn may take and still count as idle, and the longest the calls'
-# wake-ups wait while the frontend reads a backlog.
-PROBE_TURNS = 3
-BUSY_TURN_S = 0.0005
-MAX_DEFERRED_S = 0.01
 
 
 class _EngineRefusedError(Exception):
@@ -116,7 +111,7 @@ class EngineClient:
         # Readers to wake once the stream is read, in the order their outputs came (a dict
         # keeps it), so calls are written in the same order every step: no call's tokens
         # wait behind the others' one step and go first the next.
-        self._wake_soon: dict[asyncio.Event, None] = {}
+        self._wakeups = Wakeups()
         # Requests sent that have not produced a token yet -> their prompt tokens to compute.
         self._unstarted: dict[str, int] = {}
         self._unstarted_tokens = 0
@@ -248,7 +243,7 @@ class EngineClient:
             if self._hung is None:  # the client is closing, not the watchdog
                 raise
         finally:
-            self._flush_wakeups()
+            self._wakeups.flush()
             self._outbox = None
             if self._index is not None:
                 self._index.remove_engine(self.address)
@@ -257,56 +252,20 @@ class EngineClient:
         return self._hung or "the engine ended the stream"
 
     async def _read(self, call) -> None:
-        """Reads the stream, delivering each message at once and waking the calls it fed
-        (``wake_soon``) once the stream holds nothing more that is already here.
-
-        While a message is delivered the next read is started; if it completes before the
-        event loop has been idle for PROBE_TURNS turns, the engine's messages were waiting
-        for this frontend (it lags): the calls are woken only after the backlog is read (at
-        most MAX_DEFERRED_S after the first), so each call writes everything that arrived
-        in one message. Turns that other work made long (the calls writing their previous
-        messages) do not count as idle: a busy frontend reads on until the writes are done.
-        An idle frontend finds the next read still waiting and wakes the calls at once:
-        their tokens go out one by one, a few loop turns later than without the probe.
-        """
-        pending = asyncio.ensure_future(call.read())
-        deferred_since = 0.0
-        try:
-            while True:
-                response = await pending
-                if response is grpc.aio.EOF:
-                    return
-                self._on_response(response)
-                pending = asyncio.ensure_future(call.read())
-                if not self._wake_soon:
-                    continue
-                deferred_since = deferred_since or time.monotonic()
-                if await _arrives_before_idle(pending, deferred_since + MAX_DEFERRED_S):
-                    continue  # more was waiting: read it before the calls write
-                deferred_since = 0.0
-                self._flush_wakeups()
-        finally:
-            if not pending.done():
-                pending.cancel()
-            elif not pending.cancelled():
-                pending.exception()  # retrieved: the session's end reports it, not asyncio
+        """Reads the stream to its end, waking the calls it fed (adaptive coalescing, wakeups.py)."""
+        await read_stream(call, self._on_response, self._wakeups)
 
     def _wake(self, handle: RequestHandle) -> None:
         """Wakes ``handle``'s reader: at once with a fixed stream interval, else once the
-        stream's messages that are already here are read (adaptive coalescing, see _read)."""
+        stream's messages that are already here are read (adaptive coalescing, wakeups.py)."""
         if handle.stream_interval:
             handle.wakeup.set()
         else:
-            self.wake_soon(handle.wakeup)
+            self._wakeups.soon(handle.wakeup)
 
     def wake_soon(self, wakeup: asyncio.Event) -> None:
         """Sets ``wakeup`` once the stream's messages that are already here are read."""
-        self._wake_soon[wakeup] = None
-
-    def _flush_wakeups(self) -> None:
-        events, self._wake_soon = self._wake_soon, {}
-        for event in events:
-            event.set()
+        self._wakeups.soon(wakeup)
 
     async def _watch(self, stub: engine_pb2_grpc.EngineServiceStub, call) -> None:
         """Polls the load while the stream is quiet, and ends the session when the engine
@@ -489,23 +448,6 @@ class EngineClient:
         if files:
             logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
         return files
-
-
-async def _arrives_before_idle(pending: asyncio.Future, deadline: float) -> bool:
-    """Whether ``pending`` completes before the event loop has made PROBE_TURNS idle turns
-    (turns that took the loop's thread less than BUSY_TURN_S of CPU: nothing else was
-    waiting to run; CPU time, so that a turn the OS preempted does not look busy), and
-    before ``deadline`` (time.monotonic()): a loop kept busy by other work while the
-    engine sends nothing must not hold the calls' wake-ups."""
-    idle_turns = 0
-    last = time.thread_time()
-    while not pending.done() and idle_turns < PROBE_TURNS and time.monotonic() < deadline:
-        await asyncio.sleep(0)
-        now = time.thread_time()
-        if now - last < BUSY_TURN_S:
-            idle_turns += 1
-        last = now
-    return pending.done() and time.monotonic() < deadline
 
 
 async def _drain(outbox: asyncio.Queue):

@@ -23,7 +23,7 @@ class RequestHandle:
     the reader should look: on the first output, the last one, an error, and whenever
     ``stream_interval`` tokens are pending; the deliverer then sets ``wakeup``, at once
     with a fixed ``stream_interval``, or with 0 (adaptive, the default) once it has read
-    what the engine stream holds (``EngineClient.wake_soon``): a frontend that lags reads
+    what the engine stream holds (``EngineClient.wake_soon``, wakeups.py): a frontend that lags reads
     several engine messages before its calls write, so each write carries all the tokens
     that arrived meanwhile. ``fail`` sets it at once. Several handles may share one event
     so that a caller waits on all of them. Iterate (``async for``) only when the event is

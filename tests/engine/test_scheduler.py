@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.admission import check_kv_capacity
 from engine_svc.sched.kv_cache import KVCacheManager
-from engine_svc.sched.request import Request, RequestStatus
+from engine_svc.sched.request import Request, RequestStatus, request_output
 from engine_svc.sched.scheduler import Scheduler
 from engine_svc.types import ErrorCode, FinishReason, Logprob, SamplingParams
 
@@ -264,25 +266,23 @@ def test_abort_between_schedule_and_update_drops_the_runner_output():
     assert rows(s.schedule()) == [("b", 5, 1)]
 
 
-def test_request_too_big_for_the_pool_gets_an_error():
+def test_a_request_that_skipped_admission_and_can_never_fit_is_a_caller_bug():
+    # Admission owns the KV-pool rule (tests/engine/test_admission.py); the scheduler only
+    # refuses to queue a request that could wait for blocks forever.
     s = make_scheduler(num_blocks=4)
-    s.add_request(make_request("big", 17))
-    assert s.has_unfinished_requests()  # until its error output is handed out
-    st = step(s)
-    assert st.scheduler_output.is_empty
-    error = st.outputs["big"].error
-    assert st.outputs["big"].finish_reason == FinishReason.ERROR and error.code == ErrorCode.RESOURCE_EXHAUSTED
-    assert "5 KV blocks" in error.message and "4 blocks" in error.message
-    assert not s.has_unfinished_requests()
+    with pytest.raises(ValueError, match="skipped admission"):
+        s.add_request(make_request("big", 17))
+    with pytest.raises(ValueError, match="max_tokens"):
+        s.add_request(make_request("grows", 15, max_tokens=10))
+    assert not s.has_unfinished_requests() and s.kv_cache_manager.num_used_blocks == 0
 
 
-def test_request_that_outgrows_the_pool_gets_an_error():
+def test_a_request_that_fills_the_pool_alone_runs_to_its_end():
     s = make_scheduler(num_blocks=4)
-    s.add_request(make_request("a", 15, max_tokens=10))
+    s.add_request(make_request("a", 15, max_tokens=1))
     outputs = run_all(s)
-    tokens = [t for o in outputs["a"] for t in o.new_token_ids]
-    assert len(tokens) == 2  # 15 + 1 tokens fill the pool; the 17th can never be computed
-    assert outputs["a"][-1].error.code == ErrorCode.RESOURCE_EXHAUSTED
+    assert [t for o in outputs["a"] for t in o.new_token_ids] == [TOKEN]
+    assert outputs["a"][-1].finish_reason == FinishReason.LENGTH
     assert s.num_preemptions == 0 and s.kv_cache_manager.num_used_blocks == 0
 
 
@@ -377,7 +377,13 @@ def test_random_workloads_always_drain(
     for t in range(2000):
         for r in requests:
             if r.arrival_time == t:
-                s.add_request(r)
+                # As the engine core does: admission refuses what the pool can never hold.
+                error = check_kv_capacity(r, kv_capacity_tokens=num_blocks * block_size, max_model_len=64)
+                if error is None:
+                    s.add_request(r)
+                else:
+                    r.finish(FinishReason.ERROR, error=error)
+                    collect([request_output(r)])
         collect(s.abort_requests(f"r{i % len(specs)}" for at, i, between in aborts if at == t and not between))
         if t > max(r.arrival_time for r in requests) and not s.has_unfinished_requests():
             break
@@ -409,6 +415,6 @@ def test_random_workloads_always_drain(
         assert r.is_finished and num_tokens.get(r.request_id, 0) == r.num_output_tokens <= r.sampling_params.max_tokens
         if o.finish_reason == FinishReason.LENGTH:
             assert r.num_output_tokens == r.sampling_params.max_tokens or r.num_tokens >= 64
-        if o.finish_reason == FinishReason.ERROR:
-            assert o.error.code == ErrorCode.RESOURCE_EXHAUSTED
-            assert -(-r.num_tokens // block_size) > num_blocks
+        if o.finish_reason == FinishReason.ERROR:  # refused before it ran, never half way
+            assert o.error.code == ErrorCode.INVALID_ARGUMENT and r.num_output_tokens == 0
+            assert min(r.num_prompt_tokens + r.sampling_params.max_tokens, 64) > num_blocks * block_size

@@ -150,15 +150,15 @@ def test_stop_inside_the_accepted_drafts_ends_there():
 def test_drafts_give_way_before_preemption_and_respect_the_budget():
     # 4 blocks of 4: "a" holds 3 blocks (11 tokens + 1 output), "b" holds 1 block.
     sched = make_scheduler(num_blocks=4, num_speculative_tokens=4)
-    a = make_request("a", COPY + [12])
-    b = make_request("b", [1, 2])
+    a = make_request("a", COPY + [12], max_tokens=4)
+    b = make_request("b", [1, 2], max_tokens=4)
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
     sched.update_from_output(out, runner_output(out, {}))
-    a.all_token_ids[-1] = a.output_token_ids[-1] = 13  # suffix [12, 13] -> drafts 14, 15, 16, 17
+    a.all_token_ids[-1] = a.output_token_ids[-1] = 13  # suffix [12, 13] -> drafts 14, 15 (max_tokens)
     out = sched.schedule()
-    # Drafts would need a 4th block for "a" (positions 12..16); none is free, so "a"
+    # Drafts would need a 4th block for "a" (positions 12, 13); none is free, so "a"
     # decodes without them, and nobody is preempted for a draft.
     assert {s.request.request_id: s.draft_token_ids for s in out.scheduled} == {"a": [], "b": []}
     assert sched.num_preemptions == 0

@@ -100,9 +100,9 @@ async def test_a_fixed_interval_wakes_per_delivery_as_before():
 
 async def test_a_long_backlog_wakes_the_call_within_the_deferral_bound(monkeypatch):
     """The calls are not starved while a long backlog is read: past MAX_DEFERRED_S they write."""
-    import frontend_svc.engine.client as client_module
+    import frontend_svc.engine.wakeups as wakeups_module
 
-    monkeypatch.setattr(client_module, "MAX_DEFERRED_S", 0.0)
+    monkeypatch.setattr(wakeups_module, "MAX_DEFERRED_S", 0.0)
     (client, handle), stream = _handle(0), FakeStream()
     for i in range(6):
         stream.put_token("r", 10 + i, last=i == 5)

@@ -205,12 +205,16 @@ async def test_outputs_survive_preemption_by_recompute(tight, stub):
 
 
 async def test_a_compile_past_the_timeout_fails_in_band_and_its_batch_goes_on(demo_model_dir):
-    engine = start_engine(demo_model_dir, "--num-kv-blocks", "64", "--structured-output-timeout-s", "0.000001")
+    # The compile starts at once (the threads are idle) and runs for ~0.5 s on an idle
+    # core: its own cost, not a queue, passes the limit.
+    engine = start_engine(demo_model_dir, "--num-kv-blocks", "64", "--structured-output-timeout-s", "0.1")
+    props = {f"f{k}": {"type": "string", "format": "email"} for k in range(1000)}
+    schema = json.dumps({"type": "object", "properties": props, "required": list(props)})
     try:
         engine.wait_serving()
         async with grpc.aio.insecure_channel(engine.address) as channel:
             stream = EngineStream(channel)
-            slow = stream.add("slow", [5, 6, 7], max_tokens=4, regex="[a-z]+")
+            slow = stream.add("slow", [5, 6, 7], max_tokens=4, json_schema=schema)
             free = stream.add("free", [5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
             await stream.wait("slow", "free")
             stream.close()
@@ -218,8 +222,10 @@ async def test_a_compile_past_the_timeout_fails_in_band_and_its_batch_goes_on(de
     finally:
         engine.terminate()
     assert slow.error.code == engine_pb2.ERROR_CODE_INVALID_ARGUMENT and slow.token_ids == []
-    assert slow.error.message.startswith("sampling_params.regex: compiling it took longer than this engine's limit")
-    assert "--structured-output-timeout-s" in slow.error.message and slow.error.field == "sampling_params.regex"
+    assert slow.error.message.startswith(
+        "sampling_params.json_schema: compiling it took longer than this engine's limit"
+    ), slow.error.message
+    assert "--structured-output-timeout-s" in slow.error.message and slow.error.field == "sampling_params.json_schema"
     assert free.error is None and len(free.token_ids) == 4
 
 

@@ -19,10 +19,11 @@ vocabularies while holding the GIL (built once, at engine start).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llguidance
@@ -35,9 +36,22 @@ logger = logging.getLogger(__name__)
 
 # Any JSON object, for json_object (the same compiler as json_schema, so the same options).
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
-# Runtime messages without the parser-state dump llguidance adds by default: they reach
-# clients and logs, and the dump can quote the schema.
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# What one grammar may cost (docs/limits.md). Fuel is llguidance's unit of lexer work
+# (~50k/ms to build, ~14k/ms per mask); a lexer state holds 1-2 kB. The defaults let one
+# 14-byte regex take a second and ~190 MiB; these cap a compile at ~0.1 s and ~40 MiB and a
+# grammar's lexer, which grows while it decodes, at ~40 MiB, while a 1,500-field schema
+# still compiles. Runtime messages leave out the parser-state dump (it can quote the schema).
+INITIAL_LEXER_FUEL = 200_000
+STEP_LEXER_FUEL = 200_000
+MAX_LEXER_STATES = 20_000
+MAX_GRAMMAR_SIZE = 500_000  # symbols in the grammar's productions
+_LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=INITIAL_LEXER_FUEL,
+    step_lexer_fuel=STEP_LEXER_FUEL,
+    max_lexer_states=MAX_LEXER_STATES,
+    max_grammar_size=MAX_GRAMMAR_SIZE,
+    verbose_errors=False,
+)
 
 
 class GrammarError(Exception):
@@ -77,14 +91,21 @@ class CompiledGrammar:
     """A compiled constraint: a pristine matcher whose copies start each request.
 
     A copy shares the compiled grammar and its lexer, so it costs microseconds; it is
-    never mutated itself, so copies may be taken from any thread.
+    never mutated itself, so copies may be taken from any thread. ``first_mask`` is the
+    mask before any token, computed by compile() off the step thread: a fresh copy would
+    spend as long again computing it on the step thread (0.1 s for some regexes).
+    ``failure`` is set (on the engine thread) when a request's matcher fails on it: the
+    grammar is over a limit, and every later request for it fails at once.
     """
 
-    __slots__ = ("_pristine", "vocab_size")
+    __slots__ = ("_pristine", "failure", "first_mask", "num_bytes", "vocab_size")
 
-    def __init__(self, pristine: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, pristine: llguidance.LLMatcher, vocab_size: int, first_mask: np.ndarray, num_bytes: int) -> None:
         self._pristine = pristine
         self.vocab_size = vocab_size  # the bitmask covers this many token ids
+        self.first_mask = first_mask  # int32 [ceil(vocab / 32)]
+        self.num_bytes = num_bytes  # heap the compile kept, as measured (an estimate)
+        self.failure = ""
 
     def matcher(self) -> Matcher:
         return Matcher(self._pristine.deep_copy())
@@ -114,17 +135,24 @@ class LLGuidanceBackend:
 
     def compile(self, constraint: StructuredOutput) -> CompiledGrammar:
         """Compile ``constraint``; raises GrammarError with the library's message."""
+        heap_before = heap_bytes()
         matcher = llguidance.LLMatcher(self.tokenizer, _grammar(constraint), log_level=0, limits=_LIMITS)
+        first_mask = llg_numpy.allocate_token_bitmask(1, self.vocab_size)
         if not matcher.is_error():
             # The first mask builds the lexer (milliseconds); copies then share it.
-            llg_numpy.fill_next_token_bitmask(matcher, llg_numpy.allocate_token_bitmask(1, self.vocab_size), 0)
+            llg_numpy.fill_next_token_bitmask(matcher, first_mask, 0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error().strip())
-        return CompiledGrammar(matcher, self.vocab_size)
+        # Another thread's allocations can land in the difference: a compile running beside
+        # this one is counted twice (the cache then holds less, never more, than its bound).
+        num_bytes = max(heap_bytes() - heap_before, len(constraint.text) + sum(map(len, constraint.choices)))
+        return CompiledGrammar(matcher, self.vocab_size, first_mask[0].copy(), num_bytes + first_mask.nbytes)
 
 
 def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
     """Write each matcher's next-token mask into its row of ``bitmask`` (int32, C order)."""
+    if not rows:
+        return
     if len(rows) == 1:
         matcher, row = rows[0]
         llg_numpy.fill_next_token_bitmask(matcher._m, bitmask, row)
@@ -143,6 +171,35 @@ def _executor() -> llguidance.LLExecutor:
         if _executor_instance is None:
             _executor_instance = llguidance.LLExecutor()
         return _executor_instance
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2``: ten size_t counters."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        fn = ctypes.CDLL(None).mallinfo2  # glibc 2.33+; llguidance allocates through malloc
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_mallinfo2 = _load_mallinfo2()
+
+
+def heap_bytes() -> int:
+    """Bytes the process holds from malloc now (in use, not merely mapped); 0 where unknown."""
+    if _mallinfo2 is None:
+        return 0
+    info = _mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def _grammar(c: StructuredOutput) -> str:

@@ -60,7 +60,13 @@ class GrammarMasks:
         grammars = [_compiled(b) for b in bases]
         matchers = [self._caught_up(b, g) for b, g in zip(bases, grammars)]
         depths = [len(_drafts(requests[i])) for i in rows]
+        bitmask = np.zeros((len(rows), (grammars[0].vocab_size + 31) // 32), dtype=np.int32)
+        # A request's first mask is its grammar's, computed at compile time, off this thread.
+        fresh = {j for j, b in enumerate(bases) if depths[j] == 0 and self._states[b.request_id].num_consumed == 0}
+        for j in fresh:
+            bitmask[j] = grammars[j].first_mask
         errors = {}
+        messages: dict[str, str] = {}
         for j, (i, m) in enumerate(zip(rows, matchers)):
             if depths[j] == 0 and (message := m.error()):
                 # The row's token is dropped with the request; any token keeps the math finite.
@@ -69,10 +75,10 @@ class GrammarMasks:
                     f"the output constraint failed after {requests[i].num_output_tokens} tokens: {message.strip()}",
                     "sampling_params.constraint",
                 )
-        bitmask = np.zeros((len(rows), (grammars[0].vocab_size + 31) // 32), dtype=np.int32)
+                messages[requests[i].request_id] = message.strip()
         num_tried: dict[int, tuple[Matcher, int]] = {}  # id(matcher) -> (matcher, drafts consumed)
         for depth in range(max(depths) + 1):
-            at_depth = [j for j, d in enumerate(depths) if d == depth]
+            at_depth = [j for j, d in enumerate(depths) if d == depth and j not in fresh]
             for j in at_depth:
                 m = matchers[j]
                 if depth > 0 and num_tried.get(id(m), (m, 0))[1] < depth:
@@ -82,8 +88,11 @@ class GrammarMasks:
         for m, n in num_tried.values():
             m.rollback(n)
         for j, i in enumerate(rows):
-            if requests[i].request_id in errors:
+            if (failure := messages.get(requests[i].request_id)) is not None:
                 bitmask[j] = -1
+                # Its tokens all came from its masks, so the grammar, not the output, is at
+                # fault (a limit hit): later requests for it fail before they start.
+                grammars[j].failure = grammars[j].failure or failure
         allowed = self._unpack(bitmask)  # [C, vocab]
         self._hold_back(allowed, [requests[i] for i in rows])
         return BatchMask(rows, allowed, errors)
