@@ -23,9 +23,7 @@ Adaptive rule (``propose``), so that no load is meaningfully slower than without
   ``PROBE_INTERVAL`` steps, so a request whose text starts copying gets drafts again;
 * never past ``max_tokens`` or ``max_model_len``, and never more than the budget left.
 
-Requests with repetition/presence/frequency penalties get no drafts (their token counts
-do not follow drafts yet); every other sampling parameter and output constraints stay
-exact (see docs/speculative.md).
+Every sampling parameter and output constraints stay exact (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -159,7 +157,7 @@ class Speculator:
     def propose(self, request: Request, num_running: int, num_budget_left: int) -> list[int]:
         """Draft tokens for ``request``'s next step (it decodes one token), or []."""
         config = self.config
-        if num_running > config.disable_by_batch_size or not speculable(request):
+        if num_running > config.disable_by_batch_size:
             return []
         params = request.sampling_params
         num_max = min(
@@ -204,9 +202,3 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
-
-
-def speculable(request: Request) -> bool:
-    """Whether drafts for ``request`` keep its output exact (docs/speculative.md)."""
-    params = request.sampling_params
-    return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0

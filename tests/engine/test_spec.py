@@ -70,7 +70,7 @@ def test_adaptive_rule():
     assert spec.propose(r, num_running=3, num_budget_left=100) == []  # batch too large
     assert spec.propose(r, num_running=1, num_budget_left=2) == [12, 13]  # the budget caps it
     assert spec.propose(make_request("b", COPY, max_tokens=3), 1, 100) == [12, 13]  # the bonus token fits
-    assert spec.propose(make_request("c", COPY, repetition_penalty=1.2), 1, 100) == []
+    assert spec.propose(make_request("c", COPY, repetition_penalty=1.2), 1, 100) == [12, 13, 14, 15]
     json_only = StructuredOutput(kind="json_object")
     assert spec.propose(make_request("d", COPY, structured=json_only), 1, 100) == [12, 13, 14, 15]
     # Acceptance falls: the draft shrinks, then stops, with a one-token probe now and then.
@@ -173,3 +173,36 @@ def test_drafts_give_way_before_preemption_and_respect_the_budget():
     # The last prompt token reaches the end: it may carry drafts, as many as the budget leaves.
     out = tight.schedule()
     assert out.scheduled[0].draft_token_ids == [12, 13] and out.num_tokens == 3
+
+
+def test_draft_rows_sample_as_if_the_drafts_were_output(monkeypatch):
+    """A draft row's view shows the earlier drafts as output tokens to every stage:
+    penalties (presence, frequency, repetition), min_tokens and logprobs, against a
+    request that really holds those tokens, on the same logits."""
+    import torch
+
+    from engine_svc.model.sampler import Sampler
+    from engine_svc.model.spec import PositionView
+
+    vocab = 16
+    logits = torch.zeros(1, vocab)
+    logits[0, 5] = 1.0  # the best token, unless a penalty or a rule pushes it down
+    logits[0, 6] = 0.9
+    for params in (
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.5),
+        dict(repetition_penalty=2.0),
+        dict(min_tokens=3, stop_token_ids=[5]),
+    ):
+        base = Request("r", [1, 2], SamplingParams(temperature=0.0, **params), eos_token_ids=(0,))
+        base.append_output_token(3)
+        view = PositionView(base, [5, 4])
+        real = Request("r", [1, 2], SamplingParams(temperature=0.0, **params), eos_token_ids=(0,))
+        for t in (3, 5, 4):
+            real.append_output_token(t)
+        got = Sampler(vocab, "cpu").sample(logits.repeat(2, 1), [base, view])
+        want = Sampler(vocab, "cpu").sample(logits, [real])
+        if "min_tokens" in params:  # 3 outputs with the drafts: the stop token is free again
+            assert (got.token_ids, want.token_ids) == ([6, 5], [5]), params
+        else:  # 5 is penalised where the drafts count, not in the base row
+            assert (got.token_ids, want.token_ids) == ([5, 6], [6]), params

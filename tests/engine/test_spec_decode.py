@@ -192,3 +192,25 @@ def test_structured_output_valid_and_identical(loop_model_with_tokenizer, demo_m
             assert c.output_token_ids[-1] == c.stop_token_id
             text = tokenizer.decode(c.output_token_ids[:-1], skip_special_tokens=True)
             assert VALID[kind](text), (kind, text)
+
+
+def test_penalties_identical_with_speculation(loop_model_dir):
+    """Repetition, presence and frequency penalties count each draft row's earlier drafts
+    as output tokens: greedy and seeded outputs equal with drafts on and off."""
+    prompts = prompts_of(7, 12, 5, 30)
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            ignore_eos=True,
+            temperature=0.0 if i % 2 == 0 else 0.7,
+            seed=i,
+            repetition_penalty=(1.0, 1.1, 1.3)[i % 3],
+            frequency_penalty=(0.0, 0.2)[i % 2],
+            presence_penalty=(0.0, 0.3, 0.0, 0.5)[i % 4],
+        )
+        for i in range(12)
+    ]
+    off, _, _ = run(loop_model_dir, prompts, params, None)
+    on, stats, _ = run(loop_model_dir, prompts, params, SPEC)
+    assert stats is not None and 0 < stats.num_accepted_tokens, stats
+    assert tokens(on) == tokens(off)
