@@ -7,8 +7,9 @@ For each workload (``copy_heavy``: rewrite, extract, quote, repeat and continue-
 tasks; ``open_chat``: the control; both in benchmarks/workloads/, written by
 ``benchmarks.spec_workloads``) and each concurrency c, the engine runs in-process twice,
 speculation off and on, with exactly c requests in flight (closed loop: a finished
-request is replaced at once) until ``max(c, --num-requests)`` are done. Greedy, chat
-template applied, each request its own max_tokens and EOS. Figures: output tokens/s of
+request is replaced at once) until ``max(c, --num-requests)`` are done, after an untimed
+warm-up run per workload. Greedy, chat template applied, each request its own max_tokens
+and EOS. Figures: output tokens/s of
 each arm, their ratio, acceptance rate and mean accepted length of the speculative arm.
 The model defaults to the SmolLM2-135M-Instruct GGUF where it is cached, else the random
 demo model (say which one when you quote the figures).
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prompts_of(cores["off"], workload)
         if args.max_tokens is not None:
             prompts = [(ids, args.max_tokens) for ids, _ in prompts]
+        for core in cores.values():  # untimed: the thread governor's first measurements, lazy set-up
+            closed_loop(core, [(ids, 8) for ids, _ in prompts], 2, 2)
         for c in args.concurrency:
             n = max(c, args.num_requests)
             point: dict = {"workload": name, "concurrency": c, "num_requests": n}
