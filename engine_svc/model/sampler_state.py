@@ -157,7 +157,9 @@ class SamplerState:
 
         A request may carry thousands of stop token ids and bias entries; building them per
         step would cost every other request in the batch that much host time per token.
+        A draft row's view shares its request's tensors (they do not depend on outputs).
         """
+        request = getattr(request, "draft_base", request)
         entry = self._tensors.get(request.request_id)
         if entry is None or entry.owner is not request:  # new, or the id now names another request
             entry = self._tensors[request.request_id] = self._build_tensors(request)
