@@ -10,7 +10,17 @@ q/k/v and gate/up are concatenated into the fused projections::
     model.layers.{i}.mlp.down_proj.*             -> layers.{i}.mlp.down_proj.*
     model.layers.{i}.input_layernorm.weight      -> layers.{i}.input_norm.weight
     model.layers.{i}.post_attention_layernorm.*  -> layers.{i}.post_attn_norm.weight
+    model.layers.{i}.self_attn.qkv_proj.* / mlp.gate_up_proj.*   (Phi-3: fused in the checkpoint, kept)
+    model.layers.{i}.self_attn.{q,k}_norm.weight -> layers.{i}.attn.{q,k}_norm.weight  (Qwen3, Gemma 3)
+    model.layers.{i}.{pre,post}_feedforward_layernorm.weight -> layers.{i}.{pre,post}_ff_norm.weight  (Gemma 3)
     model.embed_tokens.weight / model.norm.weight / lm_head.weight   (lm_head absent when tied)
+
+Mixture-of-experts layers (Mixtral's ``block_sparse_moe``, Qwen3-MoE's ``mlp``) stack their
+experts, each expert's gate and up concatenated as for the dense MLP::
+
+    ...{block_sparse_moe,mlp}.gate.weight                       -> layers.{i}.mlp.router.weight
+    ...experts.{e}.{w1,gate_proj} / {w3,up_proj} -> layers.{i}.mlp.gate_up_experts [E, 2 * I, H]
+    ...experts.{e}.{w2,down_proj}                -> layers.{i}.mlp.down_experts    [E, H, I]
 """
 
 from __future__ import annotations
@@ -26,8 +36,9 @@ from safetensors import safe_open
 
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.gguf_weights import read_gguf_tensors
-from engine_svc.model.llama import ModelArgs, Transformer, rope_inv_freq
+from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.native.cpu import cpu_features
+from engine_svc.model.rope import RotaryEmbedding, rope_attention_scaling, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +50,24 @@ _RENAMES = {
     "mlp.down_proj": "mlp.down_proj",
     "input_layernorm": "input_norm",
     "post_attention_layernorm": "post_attn_norm",
+    "pre_feedforward_layernorm": "pre_ff_norm",
+    "post_feedforward_layernorm": "post_ff_norm",
+    "self_attn.qkv_proj": "attn.qkv_proj",  # Phi-3 checkpoints store them fused already
+    "mlp.gate_up_proj": "mlp.gate_up_proj",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "block_sparse_moe.gate": "mlp.router",
+    "mlp.gate": "mlp.router",
+}
+_EXPERT_RE = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)")
+# Expert projection -> (stacked parameter, part within the expert: gate 0, up 1).
+_EXPERT_PARTS = {
+    "w1": ("gate_up_experts", 0),
+    "gate_proj": ("gate_up_experts", 0),
+    "w3": ("gate_up_experts", 1),
+    "up_proj": ("gate_up_experts", 1),
+    "w2": ("down_experts", 0),
+    "down_proj": ("down_experts", 0),
 }
 # Parts of a fused projection, in concatenation order.
 _FUSED = {
@@ -132,6 +161,16 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json")
 
 
+def expert_name(hf_name: str) -> tuple[str, tuple[int, int]] | None:
+    """(our stacked parameter, (expert, part)) for an expert's weight, else None."""
+    m = _LAYER_RE.fullmatch(hf_name)
+    expert = None if m is None else _EXPERT_RE.fullmatch(m.group(2).removesuffix(".weight"))
+    if m is None or expert is None:
+        return None
+    stacked, part = _EXPERT_PARTS[expert.group(2)]
+    return f"layers.{m.group(1)}.mlp.{stacked}", (int(expert.group(1)), part)
+
+
 def our_name(hf_name: str) -> tuple[str, int | None] | None:
     """(our parameter name, part index for fused weights) or None for names we skip."""
     if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
@@ -174,6 +213,17 @@ def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield hf_name, f.get_tensor(hf_name)
 
 
+def _stack_experts(
+    source: Path, name: str, pieces: dict[tuple[int, int], torch.Tensor], num_experts: int
+) -> torch.Tensor:
+    """[num_experts, out, in]: each expert's parts (gate, up) concatenated, experts stacked."""
+    num_parts = 2 if name.endswith("gate_up_experts") else 1
+    missing = [key for key in ((e, p) for e in range(num_experts) for p in range(num_parts)) if key not in pieces]
+    if missing or len(pieces) != num_experts * num_parts:
+        raise ValueError(f"{source}: {name} needs {num_experts} experts x {num_parts} parts, got {sorted(pieces)}")
+    return torch.stack([torch.cat([pieces[e, p] for p in range(num_parts)], dim=0) for e in range(num_experts)])
+
+
 def build_model(
     args: ModelArgs,
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -187,7 +237,12 @@ def build_model(
     the RoPE frequencies, as llama.cpp's ``rope_freqs`` tensor does."""
     state: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
     for hf_name, raw in tensors:
+        stacked = expert_name(hf_name)
+        if stacked is not None:
+            experts.setdefault(stacked[0], {})[stacked[1]] = raw.to(dtype)
+            continue
         mapped = our_name(hf_name)
         if mapped is None:
             if not hf_name.endswith("rotary_emb.inv_freq"):
@@ -204,6 +259,8 @@ def build_model(
         if len(pieces) != expected:
             raise ValueError(f"{source}: incomplete weights for {name} ({len(pieces)} of {expected} parts)")
         state[name] = torch.cat([pieces[i] for i in range(expected)], dim=0)
+    for name, expert_pieces in experts.items():
+        state[name] = _stack_experts(source, name, expert_pieces, args.num_experts)
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
@@ -221,7 +278,11 @@ def build_model(
     inv_freq = rope_inv_freq(args)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.float()
+    assert isinstance(model.rotary, RotaryEmbedding)
     model.rotary.inv_freq = inv_freq.to(device)
+    model.rotary.attention_scaling = rope_attention_scaling(args)
+    if model.sliding_rotary is not None:  # Gemma 3's local theta: no scaling, by definition
+        model.sliding_rotary.inv_freq = rope_inv_freq(args, sliding=True).to(device)
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, vocab %d, %s on %s",

@@ -6,6 +6,7 @@
     install_native_linears(model, kernels, dtype)
         nn.Linear        -> NativeLinear       weights packed for gemm.c;
                                                MLP gate/up fused with SiLU-and-multiply
+        SparseMoE        .run_expert -> NativeExperts: each expert's two GEMMs packed alike
 
 Whether the linear layers run here, in oneDNN or in ``F.linear`` is ``backend.py``'s
 decision.
@@ -22,8 +23,11 @@ import logging
 import torch
 from torch import nn
 
-from engine_svc.model.llama import MLP, RMSNorm, RotaryEmbedding, StepRope, Transformer
+from engine_svc.model.layers import MLP, RMSNorm
+from engine_svc.model.llama import Transformer
+from engine_svc.model.moe import SparseMoE
 from engine_svc.model.native import NativeKernels, PackedWeight
+from engine_svc.model.rope import QKNorm, RotaryEmbedding, StepRope
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +72,19 @@ class NativeStepRope(StepRope):
         self.positions = positions  # [num_tokens] int64
         self.cos_sin = cos_sin  # [max_position, head_dim] float32: cos | sin, rounded to the model dtype
 
-    def split(self, qkv: torch.Tensor, nh: int, nkv: int, hd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.kernels.rope(qkv, self.positions, self.cos_sin, nh + nkv, hd)
+    def split(
+        self, qkv: torch.Tensor, nh: int, nkv: int, hd: int, qk_norm: QKNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = qkv.shape[0]
         q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
-        return q.view(n, nh, hd), k.view(n, nkv, hd), v.view(n, nkv, hd)
+        q, k, v = q.view(n, nh, hd), k.view(n, nkv, hd), v.view(n, nkv, hd)
+        if qk_norm is not None:
+            # Normed q and k go back into qkv, where the kernel rotates them in place.
+            q_normed, k_normed = qk_norm(q, k)
+            q.copy_(q_normed)
+            k.copy_(k_normed)
+        self.kernels.rope(qkv, self.positions, self.cos_sin, nh + nkv, hd)
+        return q, k, v
 
 
 class NativeRotary(nn.Module):
@@ -86,6 +98,24 @@ class NativeRotary(nn.Module):
         return NativeStepRope(self.kernels, positions.contiguous(), self.cos_sin)
 
 
+class NativeExperts:
+    """``SparseMoE.run_expert`` on packed weights: gate/up with SiLU-and-multiply, then down."""
+
+    def __init__(self, kernels: NativeKernels, moe: SparseMoE, dtype: torch.dtype) -> None:
+        self.kernels = kernels
+        self.packed = [
+            (
+                kernels.pack(moe.gate_up_experts[e], None, dtype, silu_mul=True),
+                kernels.pack(moe.down_experts[e], None, dtype),
+            )
+            for e in range(moe.num_experts)
+        ]
+
+    def __call__(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.packed[expert]
+        return self.kernels.gemm(self.kernels.gemm(x, gate_up), down)
+
+
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -94,9 +124,16 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 def install_native_layers(model: Transformer, kernels: NativeKernels, dtype: torch.dtype) -> None:
     """Swap the model's norms and rotary embedding for native ones (see the module docstring)."""
     for name, module in list(model.named_modules()):
-        if isinstance(module, RMSNorm):
+        # The kernel norms the residual stream with a plain ``w`` gain; per-head q/k norms
+        # and ``1 + w`` norms stay in PyTorch.
+        if isinstance(module, RMSNorm) and not module.offset and not name.endswith(("q_norm", "k_norm")):
             _replace(model, name, NativeRMSNorm(kernels, module))
     assert isinstance(model.rotary, RotaryEmbedding), "native layers are installed once"
+    if model.args.rotary_dim != model.args.head_dim:
+        logger.info(
+            "partial rotary embedding (%d of %d dims) runs in PyTorch", model.args.rotary_dim, model.args.head_dim
+        )
+        return
     model.rotary = NativeRotary(kernels, model.rotary, model.args.max_position_embeddings, dtype)
 
 
@@ -106,10 +143,13 @@ def install_native_linears(model: Transformer, kernels: NativeKernels, dtype: to
     for name, linear in linears:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        fuse = isinstance(parent, MLP) and attr == "gate_up_proj"
+        fuse = isinstance(parent, MLP) and attr == "gate_up_proj" and parent.hidden_act == "silu"
         packed = kernels.pack(linear.weight, linear.bias, dtype, silu_mul=fuse)
         _replace(model, name, NativeLinear(kernels, packed))
         if fuse:
             assert isinstance(parent, MLP)
             parent.act_fused = True
+    for module in model.modules():
+        if isinstance(module, SparseMoE) and module.hidden_act == "silu":
+            module.run_expert = NativeExperts(kernels, module, dtype)
     return len(linears)

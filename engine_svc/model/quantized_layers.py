@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.llama import MLP, Transformer
+from engine_svc.model.layers import MLP
+from engine_svc.model.llama import Transformer
 from engine_svc.model.native import NativeKernels
 from engine_svc.model.native.quant import QuantizedWeight, quantize_int4, quantize_int8
 
@@ -76,7 +77,8 @@ def install_prequantized_linears(
 
 def _is_gate_up(model: Transformer, name: str) -> bool:
     parent_name, _, attr = name.rpartition(".")
-    return isinstance(model.get_submodule(parent_name), MLP) and attr == "gate_up_proj"
+    parent = model.get_submodule(parent_name)
+    return isinstance(parent, MLP) and attr == "gate_up_proj" and parent.hidden_act == "silu"
 
 
 def _swap(model: Transformer, name: str, layer: QuantizedLinear) -> None:

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_svc.model.args import ModelArgs
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.gguf_quantized import read_quantized_linears
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
-from engine_svc.model.llama import ModelArgs, Transformer
+from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import load_model, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.native.quant import QuantizedWeight
@@ -250,6 +251,7 @@ class ModelRunner:
             workspace=self.workspace,
             kernels=self.kernels,
             native_prefill=self.native_prefill,
+            sliding_window=self.model_args.sliding_window,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, positions.to(self.device, non_blocking=True), meta

@@ -52,3 +52,23 @@ def test_a_part_with_no_rows_has_no_value():
     only_decodes = AttentionMetadata.build([1, 1], [3, 5], [[0], [1, 2]], block_size=4, device="cpu")
     assert isinstance(only_decodes.decode, SdpaDecode) and only_decodes.prefill is None
     assert [g.num_rows for g in only_decodes.decode.groups] == [2]
+
+
+def test_a_sliding_window_cuts_the_masks_of_its_own_value(kernels):
+    """Keys in (position - window, position] only, on SDPA even where the native kernels
+    take the full-attention layers; the full value is unchanged."""
+    meta = AttentionMetadata.build(
+        *STEP, block_size=4, device="cpu", kernels=kernels, native_prefill=True, sliding_window=3
+    )
+    assert isinstance(meta.decode, NativeDecode) and meta.for_window(None) is meta
+    sliding = meta.for_window(3)
+    assert sliding.sliding_window == 3 and torch.equal(sliding.slot_mapping, meta.slot_mapping)
+    assert isinstance(sliding.decode, SdpaDecode) and isinstance(sliding.prefill, SdpaPrefill)
+    decode_allowed = sliding.decode.groups[0].mask[:, 0, 0] == 0  # [rows, keys]
+    assert decode_allowed[0].nonzero().flatten().tolist() == [7, 8, 9]  # position 9 sees 7..9
+    assert decode_allowed[1].nonzero().flatten().tolist() == [0]
+    fresh, later = sliding.prefill.chunks
+    assert fresh.mask is None  # 3 rows from position 0: the window cuts nothing
+    assert (later.mask == 0).nonzero().tolist() == [[0, 2], [0, 3], [0, 4], [1, 3], [1, 4], [1, 5]]
+    with pytest.raises(ValueError, match="sliding window 5"):
+        meta.for_window(5)

@@ -11,18 +11,23 @@ from torch import nn
 
 from engine_svc.model import backend as model_backend
 from engine_svc.model.backend import KernelBuild, choose_matmuls, install_backend
-from engine_svc.model.llama import RMSNorm, RotaryEmbedding
+from engine_svc.model.layers import RMSNorm
 from engine_svc.model.loader import load_model
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.cpu import parse_cpuinfo
 from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
 from engine_svc.model.packed_linear import PackedLinear, packing_supported
+from engine_svc.model.rope import RotaryEmbedding
 from tests.model_factory import make_model_dir
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 AVX2_ONLY = parse_cpuinfo("model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx f16c fma avx2 bmi2\n")
 BF16_DOTS = parse_cpuinfo(
     "model name\t: AMD EPYC 9B14\nflags\t\t: avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16\n"
+)
+AMX = parse_cpuinfo(
+    "model name\t: Intel Xeon 8481C\n"
+    "flags\t\t: f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile\n"
 )
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -55,8 +60,13 @@ def test_with_kernels_bf16_dot_products_decide_between_native_and_onednn(monkeyp
     assert choose_matmuls(kernels, "auto", CPU, torch.bfloat16) == "native"
     monkeypatch.setattr(model_backend, "cpu_features", lambda: BF16_DOTS)
     assert choose_matmuls(kernels, "auto", CPU, torch.float32) == "native"  # float32: gemm.c either way
-    bf16 = "onednn" if packing_supported(CPU, torch.bfloat16) else "native"
+    # The build's own bfloat16 dot products (AVX512-BF16) give the reference's bits: native.
+    onednn = packing_supported(CPU, torch.bfloat16)
+    bf16 = "onednn" if onednn and not kernels.bf16_dot_products else "native"
     assert choose_matmuls(kernels, "auto", CPU, torch.bfloat16) == bf16
+    monkeypatch.setattr(model_backend, "cpu_features", lambda: AMX)  # AMX tiles are oneDNN's alone
+    assert choose_matmuls(kernels, "auto", CPU, torch.float32) == "native"
+    assert choose_matmuls(kernels, "auto", CPU, torch.bfloat16) == ("onednn" if onednn else "native")
 
 
 def _linears(model: nn.Module) -> set[type]:
@@ -73,7 +83,7 @@ def test_torch_leaves_every_layer_as_it_loaded(model_dir):
 
 
 @needs_cc
-@pytest.mark.parametrize("features", [AVX2_ONLY, BF16_DOTS], ids=["avx2", "bf16-dots"])
+@pytest.mark.parametrize("features", [AVX2_ONLY, BF16_DOTS, AMX], ids=["avx2", "bf16-dots", "amx"])
 def test_every_linear_layer_runs_where_the_choice_says(monkeypatch, model_dir, kernels, features):
     """One implementation for every linear layer, never a mix; norms and RoPE native
     whenever the kernels are loaded."""

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from engine_svc.model import runner as model_runner
+from engine_svc.model.args import ModelArgs
 from engine_svc.model.attention import AttentionMetadata
-from engine_svc.model.llama import ModelArgs
 from engine_svc.model.loader import load_model
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import ScheduledRequest, SchedulerOutput
@@ -215,16 +215,6 @@ def test_missing_lm_head_when_untied(llama_dir, tmp_path):
     save_file(weights, d / "model.safetensors")
     with pytest.raises(ValueError, match="lm_head"):
         load_model(d, "cpu", "float32")
-
-
-def test_sliding_window_shorter_than_context_is_refused(model_dirs, tmp_path):
-    d = _copy_dir(model_dirs("mistral"), tmp_path / "m")
-    config = json.loads((d / "config.json").read_text())
-    config["sliding_window"] = 64
-    (d / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="sliding"):
-        make_runner(d)
-    assert make_runner(d, max_model_len=64).max_model_len == 64
 
 
 def test_bfloat16_runs_close_to_float32(llama_dir):

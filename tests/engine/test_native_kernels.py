@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.llama import RMSNorm, RotaryEmbedding
+from engine_svc.model.layers import RMSNorm
 from engine_svc.model.native import BuildError, NativeKernels, build, cpu_features
 from engine_svc.model.native.build import WARNING_FLAGS
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE, parse_cpuinfo
 from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
+from engine_svc.model.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -231,6 +232,32 @@ def test_gemm_reads_strided_rows(kernels):
     _close(kernels.gemm(x, kernels.pack(w, None, torch.float32)), F.linear(x, w), torch.float32)
 
 
+# Beyond GEMM_CASES: K of 1, odd K over several slices, several row blocks.
+DOT_CASES = [*GEMM_CASES, (3, 1, 5, False, False), (13, 301, 40, True, True), (150, 1537, 40, True, True)]
+
+
+@pytest.mark.skipif("avx512_bf16" not in RUNNABLE, reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("rows,k,n,bias,silu_mul", DOT_CASES)
+def test_bf16_dot_products_give_the_float32_multiply_adds_bits(build_dir, rows, k, n, bias, silu_mul):
+    """VDPBF16PS adds a pair's products in k order, each sum rounded: the same bits as the
+    float32 multiply-adds of the AVX512 build (odd K too: padded with a zero pair element)."""
+    dp = NativeKernels(build("avx512_bf16", build_dir), "avx512_bf16")
+    fma = NativeKernels(build("avx512", build_dir), "avx512")
+    assert dp.bf16_dot_products and not fma.bf16_dot_products
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    want = fma.gemm(x, fma.pack(w, b, torch.bfloat16, silu_mul=silu_mul))
+    packed, before = dp.pack(w, b, torch.bfloat16, silu_mul=silu_mul), torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):  # a sum is never split across threads
+            torch.set_num_threads(num_threads)
+            assert torch.equal(dp.gemm(x, packed).view(torch.int16), want.view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 def test_onednn_packed_linears_match_plain_linears():
     torch.manual_seed(0)
@@ -401,3 +428,5 @@ def test_kernels_refuse_wrong_inputs(kernels):
         kernels.decode_attention(out, q.bfloat16(), cache, cache, table, lens, 1, 0.25)
     with pytest.raises(ValueError, match="gemm"):
         kernels.gemm(torch.zeros(3, 5), kernels.pack(torch.zeros(4, 6), None, torch.float32))
+    with pytest.raises(ValueError, match="pack it in x's dtype"):
+        kernels.gemm(torch.zeros(3, 6), kernels.pack(torch.zeros(4, 6), None, torch.bfloat16))

@@ -4,6 +4,8 @@
     prefill: SdpaPrefill (one SDPA call a chunk)  | NativePrefill (one kernel call)     | None
 
 Built once per step and read by every layer; ``paged_attention`` dispatches on the types.
+A model with sliding-window layers gets a second value, ``sliding``, for those layers: the
+same slots, masks cut to the window, always on SDPA (the native kernels have no window).
 """
 
 from __future__ import annotations
@@ -24,6 +26,16 @@ class AttentionMetadata:
     num_decodes: int
     decode: SdpaDecode | NativeDecode | None  # None: no decode rows this step
     prefill: SdpaPrefill | NativePrefill | None  # None: no prefill chunks this step
+    sliding_window: int | None = None  # the window this value's masks apply; None = full attention
+    sliding: AttentionMetadata | None = None  # for the sliding-window layers, when the model has any
+
+    def for_window(self, sliding_window: int | None) -> AttentionMetadata:
+        """The value a layer with this window (None: full attention) reads."""
+        if sliding_window is None:
+            return self
+        if self.sliding is None or self.sliding.sliding_window != sliding_window:
+            raise ValueError(f"attention metadata was built without sliding window {sliding_window}")
+        return self.sliding
 
     @classmethod
     def build(
@@ -40,6 +52,7 @@ class AttentionMetadata:
         decode_group_size: int | None = None,
         kernels: NativeKernels | None = None,
         native_prefill: bool = False,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """Index tensors for one step.
 
@@ -49,7 +62,8 @@ class AttentionMetadata:
         ``dtype`` (the model's). ``positions`` is ``flat_positions(query_lens, starts)`` (CPU)
         when the caller has it already. The ``workspace`` size caps how many decode rows
         share one gather. With ``kernels``, decode rows go to them, and with
-        ``native_prefill`` prefill chunks too; the rest to SDPA.
+        ``native_prefill`` prefill chunks too; the rest to SDPA. ``sliding_window``
+        (the model's sliding layers' window) adds the ``sliding`` value.
         """
         layout = BatchLayout.build(query_lens, starts, block_tables, block_size)
         if positions is None:
@@ -71,4 +85,27 @@ class AttentionMetadata:
             prefill = NativePrefill.build(layout, kernels)
         elif num_decodes < layout.num_reqs:
             prefill = SdpaPrefill.build(layout, device=device, dtype=dtype, workspace=workspace)
-        return cls(layout.slot_mapping(positions).to(device, non_blocking=True), num_decodes, decode, prefill)
+        slot_mapping = layout.slot_mapping(positions).to(device, non_blocking=True)
+        sliding = None
+        if sliding_window is not None:
+            sliding = cls(
+                slot_mapping,
+                num_decodes,
+                SdpaDecode.build(
+                    layout,
+                    device=device,
+                    dtype=dtype,
+                    workspace=workspace,
+                    decode_group_size=decode_group_size or DECODE_GROUP_SIZE,
+                    sliding_window=sliding_window,
+                )
+                if num_decodes
+                else None,
+                SdpaPrefill.build(
+                    layout, device=device, dtype=dtype, workspace=workspace, sliding_window=sliding_window
+                )
+                if num_decodes < layout.num_reqs
+                else None,
+                sliding_window,
+            )
+        return cls(slot_mapping, num_decodes, decode, prefill, sliding=sliding)

@@ -24,12 +24,15 @@ def paged_attention(
     kv_cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q ``[num_tokens, heads, hd]``, k/v ``[num_tokens, kv_heads, hd]`` -> ``[num_tokens, heads, hd]``.
 
     Writes k/v into ``kv_cache`` first, so decode rows see their own token and native
     prefill reads its chunk's own K/V from the cache. Decode and prefill rows are disjoint.
+    A layer with a ``sliding_window`` reads the step's metadata for that window.
     """
+    meta = meta.for_window(sliding_window)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
     match meta.decode:

@@ -10,7 +10,10 @@
 * Each prefill chunk has its own SDPA call: ``is_causal`` on its fresh K/V when it starts
   at position 0 (nothing to gather), else a gather plus an offset causal mask.
 
-Masks are additive in the model's dtype, which SDPA takes as is.
+Masks are additive in the model's dtype, which SDPA takes as is. With a sliding window
+``w`` a row at position ``p`` attends to keys in ``(p - w, p]`` only (transformers'
+``sliding_window_overlay``); blocks wholly before the window are still gathered (and
+masked), and no block is freed for falling out of a window.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class SdpaDecode:
         dtype: torch.dtype,
         workspace: KVCache | None,
         decode_group_size: int,
+        sliding_window: int | None = None,
     ) -> SdpaDecode:
         """Rows per group: at most ``decode_group_size``, and the padded gather must fit the
         workspace (a single row that does not fit gathers into fresh memory)."""
@@ -74,7 +78,11 @@ class SdpaDecode:
                     break
                 group_blocks, j = nb, j + 1
             ctx = torch.tensor(layout.seq_lens[i:j], dtype=torch.long)
-            mask = _additive(torch.arange(group_blocks * block_size)[None, :] < ctx[:, None], dtype)
+            keys = torch.arange(group_blocks * block_size)[None, :]
+            allowed = keys < ctx[:, None]
+            if sliding_window is not None:
+                allowed &= keys >= ctx[:, None] - sliding_window  # the row's position is ctx - 1
+            mask = _additive(allowed, dtype)
             groups.append(
                 DecodeGroup(
                     row_start=i,
@@ -96,7 +104,8 @@ class PrefillChunk:
     query_len: int
     start: int  # tokens of this request already in the cache before this chunk
     block_ids: torch.Tensor | None  # [ceil((start + query_len) / block_size)] long; None when start == 0
-    mask: torch.Tensor | None  # [query_len, start + query_len] additive (0 / -inf); None when start == 0 (plain causal)
+    # [query_len, start + query_len] additive (0 / -inf); None for plain causal (start == 0, no window cut)
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,13 @@ class SdpaPrefill:
 
     @classmethod
     def build(
-        cls, layout: BatchLayout, *, device: torch.device | str, dtype: torch.dtype, workspace: KVCache | None
+        cls,
+        layout: BatchLayout,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        workspace: KVCache | None,
+        sliding_window: int | None = None,
     ) -> SdpaPrefill:
         chunks: list[PrefillChunk] = []
         row = layout.num_decodes
@@ -118,7 +133,12 @@ class SdpaPrefill:
             mask: torch.Tensor | None = None
             if s > 0:
                 block_ids = layout.table[r, : layout.blocks_needed[r]].to(device)
-                mask = _additive(torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None], dtype).to(device)
+            if s > 0 or (sliding_window is not None and sliding_window < n):
+                keys, queries = torch.arange(s + n)[None, :], torch.arange(s, s + n)[:, None]
+                allowed = keys <= queries
+                if sliding_window is not None:
+                    allowed &= keys > queries - sliding_window
+                mask = _additive(allowed, dtype).to(device)
             chunks.append(PrefillChunk(row, n, s, block_ids, mask))
             row += n
         return cls(chunks, workspace)

@@ -3,10 +3,11 @@
     load_kernels() -> NativeKernels | None
 
 Sources (C, shipped in the package): ``gemm.c`` (the linear layers, weights packed at load
-time, float32 or bfloat16), ``elementwise.c`` (RMSNorm with the residual add, SiLU-and-
-multiply, RoPE) and ``attention.c`` (decode and prefill attention reading the paged KV
-cache in place). ``cpu.py`` reads the CPU's flags at run time and picks a build (AVX2,
-AVX512, AVX512-BF16); ``build.py`` compiles it with the system's C compiler (``$CC``, else
+time, float32 or bfloat16; bfloat16 dot products in the AVX512-BF16 build, ``gemm_bf16.h``),
+``elementwise.c`` (RMSNorm with the residual add, SiLU-and-multiply, RoPE) and
+``attention.c`` (decode and prefill attention reading the paged KV cache in place).
+``cpu.py`` reads the CPU's flags at run time and picks a build (AVX2, AVX512,
+AVX512-BF16); ``build.py`` compiles it with the system's C compiler (``$CC``, else
 ``cc``) into a cache keyed by the sources and flags, so a build never runs on a CPU it was
 not made for, and a cached build loads without a compiler. Where the best build for
 the CPU cannot be made or loaded, the next less capable one the CPU runs is tried; where

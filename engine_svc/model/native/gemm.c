@@ -14,7 +14,9 @@
  *
  * Every product is a float32 multiply-add (bfloat16 inputs are widened, which is exact),
  * the result is rounded to C's dtype once: the arithmetic of torch's bfloat16 matmul on a
- * CPU without bfloat16 dot products, and of any float32 matmul.
+ * CPU without bfloat16 dot products, and of any float32 matmul. Builds for AVX512-BF16 take
+ * bfloat16 products two k steps at a time as dot products, with the same bits
+ * (gemm_bf16.h: their bfloat16 panels hold K in pairs).
  *
  * Work items are (row block, panel) pairs taken from one shared counter, so a thread that
  * the OS delays leaves its share to the other threads instead of holding up a barrier.
@@ -27,6 +29,7 @@
  */
 #include <stdlib.h>
 
+#include "gemm_bf16.h"
 #include "tandem_kernels.h"
 
 #if defined(__AVX512F__)
@@ -41,26 +44,39 @@ enum { EPI_NONE = 0, EPI_SILU_MUL = 1 };
 
 int tk_gemm_nr(void) { return NR; }
 
+/* 1 where bfloat16 products run as bfloat16 dot products (gemm_bf16.h), else 0. */
+int tk_gemm_bf16_dp(void) { return TK_BF16_DP; }
+
+/* Rows of K a panel holds: K, or K rounded up to pairs (bfloat16 with TK_BF16_DP). */
+int tk_gemm_panel_k(int K, int pdtype) { return panel_k(K, pdtype); }
+
 /* W [N, K] (dtype wdtype) -> panels (dtype pdtype). With pairs, the first N/2 rows of W
  * (gate) and the last N/2 (up) are packed as alternating panels. */
 void tk_gemm_pack(const void *w, int wdtype, int N, int K, int pairs, void *out, int pdtype) {
     const int half = pairs ? N / 2 : N;
     const int np_half = (half + NR - 1) / NR;
     const int num_panels = pairs ? 2 * np_half : np_half;
+    const int kp = panel_k(K, pdtype), dp = kp != K || (TK_BF16_DP && pdtype == TK_BF16);
     for (int p = 0; p < num_panels; p++) {
         const int part = pairs ? p % 2 : 0, q = pairs ? p / 2 : p; /* part 1 = up */
-        for (int k = 0; k < K; k++)
+        for (int k = 0; k < kp; k++)
             for (int j = 0; j < NR; j++) {
                 const int col = q * NR + j;
-                const float x = col < half ? load_any(w, (size_t)(part * half + col) * K + k, wdtype) : 0.0f;
-                store_any(out, ((size_t)p * K + k) * NR + j, x, pdtype);
+                const float x =
+                    col < half && k < K ? load_any(w, (size_t)(part * half + col) * K + k, wdtype) : 0.0f;
+                store_any(out, (size_t)p * kp * NR + (dp ? pair_index(k, j, NR) : (size_t)k * NR + j), x, pdtype);
             }
     }
 }
 
-/* Rows of one micro-tile: acc (=|+=) A[0..mr)[0..kc) @ panel[0..kc)[0..NR), kept in cs [mr][NR]. */
+/* Rows of one micro-tile: acc (=|+=) A[0..mr)[0..kc) @ panel[0..kc)[0..NR), kept in cs [mr][NR].
+ * pf: the weights one slice ahead, fetched into cache while this slice computes. Only the
+ * first tile of a slice reads it from memory, and the hardware prefetcher alone does not
+ * run far enough ahead of a tile that is busy with multiply-adds (a 49k-wide LM head at
+ * decode sizes reached ~55% of the in-cache rate without it). */
 static inline __attribute__((always_inline)) void micro_tile(
-    const int mr, const float *a, int lda, const void *panel, int pdtype, int kc, float *cs, int first) {
+    const int mr, const float *a, int lda, const void *panel, int pdtype, int kc, float *cs, int first,
+    const char *pf) {
     vf acc[MR][2];
     for (int r = 0; r < mr; r++) {
         acc[r][0] = first ? vzero() : vload(cs + r * NR);
@@ -69,6 +85,7 @@ static inline __attribute__((always_inline)) void micro_tile(
     if (pdtype == TK_BF16) {
         const bf16 *b = (const bf16 *)panel;
         for (int k = 0; k < kc; k++) {
+            __builtin_prefetch(pf + (size_t)k * NR * 2, 0, 3); /* NR bfloat16: 64 bytes (AVX512) or 32 */
             const vf b0 = vload_bf16(b + (size_t)k * NR), b1 = vload_bf16(b + (size_t)k * NR + TK_VL);
             for (int r = 0; r < mr; r++) {
                 const vf ar = vbcast(a[(size_t)r * lda + k]);
@@ -79,6 +96,8 @@ static inline __attribute__((always_inline)) void micro_tile(
     } else {
         const float *b = (const float *)panel;
         for (int k = 0; k < kc; k++) {
+            __builtin_prefetch(pf + (size_t)k * NR * 4, 0, 3);
+            if (NR * 4 > 64) __builtin_prefetch(pf + (size_t)k * NR * 4 + 64, 0, 3); /* AVX512: 2 lines per k */
             const vf b0 = vload(b + (size_t)k * NR), b1 = vload(b + (size_t)k * NR + TK_VL);
             for (int r = 0; r < mr; r++) {
                 const vf ar = vbcast(a[(size_t)r * lda + k]);
@@ -94,15 +113,16 @@ static inline __attribute__((always_inline)) void micro_tile(
 }
 
 typedef struct {
-    const float *a; /* float32 A (converted when the caller's A is bfloat16) */
+    const void *a; /* float32 A (converted when the caller's A is bfloat16), or bfloat16 pairs (dp) */
     int lda;
+    int dp; /* bfloat16 dot products: A and the panels in the pair layout of gemm_bf16.h */
     const char *panels;
     int pdtype;
     size_t panel_bytes, elem;
     const float *bias; /* [num_panels * NR] float32, panel order, or NULL */
     void *c;
     int ldc, cdtype;
-    int N, K; /* N: columns of C */
+    int N, K; /* N: columns of C; K: of A, rounded up to pairs where dp */
     int epilogue;
 } gemm_args;
 
@@ -113,28 +133,64 @@ static void block_times_panel(const gemm_args *g, int m0, int m1, int p, float *
     for (int k0 = 0; k0 < g->K; k0 += KC) {
         const int kc = g->K - k0 < KC ? g->K - k0 : KC;
         const void *pk = panel + (size_t)k0 * NR * g->elem;
+        /* The next slice, or the next panel's first: prefetching past the end is harmless. */
+        const char *pf = (const char *)pk + (size_t)KC * NR * g->elem;
         for (int m = m0; m < m1; m += MR) {
-            const float *a = g->a + (size_t)m * g->lda + k0;
+            const float *a = (const float *)g->a + (size_t)m * g->lda + k0;
             float *c = cs + (size_t)(m - m0) * NR;
             switch (m1 - m < MR ? m1 - m : MR) { /* a literal row count per case: the tile stays in registers */
 #if MR > 6
-            case 12: micro_tile(12, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 11: micro_tile(11, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 10: micro_tile(10, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 9: micro_tile(9, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 8: micro_tile(8, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 7: micro_tile(7, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 12: micro_tile(12, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 11: micro_tile(11, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 10: micro_tile(10, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 9: micro_tile(9, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 8: micro_tile(8, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 7: micro_tile(7, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
 #endif
-            case 6: micro_tile(6, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 5: micro_tile(5, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 4: micro_tile(4, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 3: micro_tile(3, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            case 2: micro_tile(2, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
-            default: micro_tile(1, a, g->lda, pk, g->pdtype, kc, c, k0 == 0); break;
+            case 6: micro_tile(6, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 5: micro_tile(5, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 4: micro_tile(4, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 3: micro_tile(3, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            case 2: micro_tile(2, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
+            default: micro_tile(1, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
             }
         }
     }
 }
+
+#if TK_BF16_DP
+/* block_times_panel with bfloat16 dot products: K in pairs, kc even. */
+static void block_times_panel_dp(const gemm_args *g, int m0, int m1, int p, float *cs) {
+    const bf16 *panel = (const bf16 *)(g->panels + (size_t)p * g->panel_bytes);
+    for (int k0 = 0; k0 < g->K; k0 += KC) {
+        const int kc = g->K - k0 < KC ? g->K - k0 : KC;
+        const bf16 *pk = panel + (size_t)k0 * NR;
+        const char *pf = (const char *)(pk + (size_t)KC * NR);
+        for (int m = m0; m < m1; m += MR) {
+            const bf16 *a = (const bf16 *)g->a + (size_t)m * g->lda + k0;
+            float *c = cs + (size_t)(m - m0) * NR;
+            switch (m1 - m < MR ? m1 - m : MR) {
+            case 12: micro_tile_dp(12, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 11: micro_tile_dp(11, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 10: micro_tile_dp(10, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 9: micro_tile_dp(9, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 8: micro_tile_dp(8, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 7: micro_tile_dp(7, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 6: micro_tile_dp(6, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 5: micro_tile_dp(5, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 4: micro_tile_dp(4, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 3: micro_tile_dp(3, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            case 2: micro_tile_dp(2, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            default: micro_tile_dp(1, a, g->lda, pk, kc, c, k0 == 0, pf); break;
+            }
+        }
+    }
+}
+#define BLOCK_TIMES_PANEL(g, m0, m1, p, cs) \
+    ((g)->dp ? block_times_panel_dp(g, m0, m1, p, cs) : block_times_panel(g, m0, m1, p, cs))
+#else
+#define BLOCK_TIMES_PANEL block_times_panel
+#endif
 
 static inline void store_row(const gemm_args *g, size_t row, int col0, int ncols, const float *t) {
     if (ncols == NR) {
@@ -151,23 +207,26 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
     const int col0 = q * NR, ncols = g->N - col0 < NR ? g->N - col0 : NR;
     if (g->epilogue == EPI_SILU_MUL) {
         float *gate = cs, *up = cs + (size_t)rows * NR;
-        block_times_panel(g, m0, m1, 2 * q, gate);
-        block_times_panel(g, m0, m1, 2 * q + 1, up);
+        BLOCK_TIMES_PANEL(g, m0, m1, 2 * q, gate);
+        BLOCK_TIMES_PANEL(g, m0, m1, 2 * q + 1, up);
+        /* In vectors: the epilogue's exp costs as much as a scalar loop's whole tile of
+         * multiply-adds (vsilu is silu lane by lane, same operations, same bits). */
         for (int r = 0; r < rows; r++) {
             float *gr = gate + (size_t)r * NR, *ur = up + (size_t)r * NR;
-            for (int j = 0; j < NR; j++) {
-                float x = gr[j], u = ur[j];
-                if (g->bias) x += g->bias[(size_t)(2 * q) * NR + j], u += g->bias[(size_t)(2 * q + 1) * NR + j];
-                if (bf) x = round_bf16(x), u = round_bf16(u);
-                x = silu(x);
-                if (bf) x = round_bf16(x);
-                gr[j] = x * u;
+            for (int j = 0; j < NR; j += TK_VL) {
+                vf x = vload(gr + j), u = vload(ur + j);
+                if (g->bias)
+                    x += vload(g->bias + (size_t)(2 * q) * NR + j), u += vload(g->bias + (size_t)(2 * q + 1) * NR + j);
+                if (bf) x = vround_bf16(x), u = vround_bf16(u);
+                x = vsilu(x);
+                if (bf) x = vround_bf16(x);
+                vstore(gr + j, x * u);
             }
             store_row(g, (size_t)(m0 + r), col0, ncols, gr);
         }
         return;
     }
-    block_times_panel(g, m0, m1, q, cs);
+    BLOCK_TIMES_PANEL(g, m0, m1, q, cs);
     for (int r = 0; r < rows; r++) {
         float *cr = cs + (size_t)r * NR;
         if (g->bias)
@@ -176,25 +235,30 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
     }
 }
 
-/* Returns 0, 1 if scratch memory could not be allocated, or 2 on a bad argument. ws: M * K floats when adtype is bfloat16. */
+/* Returns 0, 1 if scratch memory could not be allocated, or 2 on a bad argument. ws: M * K
+ * floats when adtype is bfloat16. With TK_BF16_DP, bfloat16 panels take bfloat16 A only (the
+ * products are of bfloat16 pairs; ws then holds A's rows in the pair layout). */
 int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, const float *bias, void *c, int ldc,
             int cdtype, int M, int N, int K, int epilogue, float *ws, int num_threads) {
     if (M < 0 || N <= 0 || K <= 0 || (epilogue != EPI_NONE && epilogue != EPI_SILU_MUL)) return 2;
     if (M == 0) return 0;
     if (adtype == TK_BF16 && ws == NULL) return 2;
+    const int dp = TK_BF16_DP && pdtype == TK_BF16, kp = panel_k(K, pdtype);
+    if (dp && adtype != TK_BF16) return 2;
     gemm_args g = {
-        .a = adtype == TK_BF16 ? ws : (const float *)a,
-        .lda = adtype == TK_BF16 ? K : lda,
+        .a = adtype == TK_BF16 ? (const void *)ws : a,
+        .lda = dp ? kp : adtype == TK_BF16 ? K : lda,
+        .dp = dp,
         .panels = (const char *)panels,
         .pdtype = pdtype,
-        .panel_bytes = (size_t)K * NR * (pdtype == TK_BF16 ? 2 : 4),
+        .panel_bytes = (size_t)kp * NR * (pdtype == TK_BF16 ? 2 : 4),
         .elem = pdtype == TK_BF16 ? 2 : 4,
         .bias = bias,
         .c = c,
         .ldc = ldc,
         .cdtype = cdtype,
         .N = N,
-        .K = K,
+        .K = dp ? kp : K,
         .epilogue = epilogue,
     };
     const int num_tiles = (N + NR - 1) / NR;
@@ -219,6 +283,10 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) {
                 const bf16 *src = (const bf16 *)a + (size_t)m * lda;
+                if (dp) { /* kp bfloat16 per row fit in the K floats the caller gave */
+                    pair_row((bf16 *)ws + (size_t)m * kp, src, K);
+                    continue;
+                }
                 float *dst = ws + (size_t)m * K;
                 for (int k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
             }

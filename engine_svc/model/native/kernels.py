@@ -22,6 +22,8 @@ EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "tk_gemm_nr": [],
+    "tk_gemm_panel_k": [_I, _I],
+    "tk_gemm_bf16_dp": [],
     "tk_gemm_pack": [_P, _I, _I, _I, _I, _P, _I],
     "tk_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I],
     "tk_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
@@ -82,6 +84,8 @@ class NativeKernels:
         self._lib = lib
         self.panel_width = lib.tk_gemm_nr()
         self.vector_width = self.panel_width // 2  # floats per vector register of this build
+        # bfloat16 matmuls as bfloat16 dot products (AVX512-BF16), same bits as float32 multiply-adds
+        self.bf16_dot_products = bool(lib.tk_gemm_bf16_dp())
 
     def supports_prefill_attention(self, head_dim: int) -> bool:
         """The prefill kernel works on whole vectors of head dimensions."""
@@ -101,7 +105,10 @@ class NativeKernels:
         nr = self.panel_width
         half = n // 2 if silu_mul else n
         num_panels = -(-half // nr) * (2 if silu_mul else 1)
-        panels = torch.empty(num_panels * k * nr, dtype=dtype)
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"native kernels pack float32 or bfloat16 weights, not {dtype}")
+        # K rounded up to pairs in bfloat16 on builds with bfloat16 dot products (gemm_bf16.h)
+        panels = torch.empty(num_panels * self._lib.tk_gemm_panel_k(k, DTYPE_CODES[dtype]) * nr, dtype=dtype)
         self._lib.tk_gemm_pack(weight.data_ptr(), _code(weight), n, k, int(silu_mul), panels.data_ptr(), _code(panels))
         padded = None
         if bias is not None:
@@ -114,15 +121,18 @@ class NativeKernels:
         """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype."""
         if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
             raise ValueError(f"gemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
+        if x.dtype != w.panels.dtype:  # bfloat16 dot products take pairs of bfloat16 only
+            raise ValueError(f"gemm: x is {x.dtype}, the weight was packed in {w.panels.dtype}; pack it in x's dtype")
         m = x.shape[0]
         out = torch.empty(m, w.out_features, dtype=x.dtype)
-        code = _code(x)
-        ws = torch.empty(m * w.in_features if code else 0, dtype=torch.float32)  # bfloat16 A in float32
+        code = _code(x)  # the panels' too (checked above)
+        # bfloat16 A, widened to float32 (or paired, gemm_bf16.h) once per call; float32 A needs none.
+        ws = torch.empty(m * w.in_features, dtype=torch.float32) if code else None  # alive through the call
         rc = self._lib.tk_gemm(
-            x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), _code(w.panels),
+            x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), code,
             None if w.bias is None else w.bias.data_ptr(), out.data_ptr(), w.out_features, code,
             m, w.out_features, w.in_features, EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
-            ws.data_ptr() if code else None, torch.get_num_threads(),
+            None if ws is None else ws.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         _check("gemm", rc)
         return out

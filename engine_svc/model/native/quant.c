@@ -56,14 +56,19 @@ static void dequant_row(int kind, const void *qs, const float *scale, const floa
 }
 
 static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < TK_VL; i++) s += v[i];
-    return s;
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    const __m128 lo = _mm256_castps256_ps128((__m256)v), hi = _mm256_extractf128_ps((__m256)v, 1);
+    __m128 s = _mm_add_ps(lo, hi);
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+#endif
 }
 
 /* Few rows (a decode step's): each group of 32 weights is dequantized in registers and
  * used at once, so the quantized bytes are the only weight traffic. */
-#define FUSED_MAX_ROWS 2
+#define FUSED_MAX_ROWS 4
 
 /* TK_VL int8 / uint8 values -> float32 (sign- or zero-extended, then converted). */
 static inline vf widen_i8(const int8_t *p) {
@@ -115,13 +120,20 @@ static inline __attribute__((always_inline)) void fused_tile(const int mt, const
         for (int r = 0; r < nr; r++) acc[i][r][0] = acc[i][r][1] = vzero();
     for (int g = 0; g < ng; g++) {
         const int k0 = g * group;
-        for (int j = 0; j < group; j += TK_VL) {
-            const int half = (j / TK_VL) & 1;
+        /* Two vectors at a time into the two accumulator halves: constant indices keep
+         * every accumulator in a register. */
+        for (int j = 0; j < group; j += 2 * TK_VL) {
+            const int two = j + TK_VL < group;
             for (int r = 0; r < nr; r++) {
                 const size_t at = (size_t)(n0 + r) * ng + g;
-                const vf w = group_vector(kind, (const char *)qs + (size_t)(n0 + r) * row_bytes, g, group, j,
-                                          vbcast(scale[at]), vbcast(min ? min[at] : 0.0f));
-                for (int i = 0; i < mt; i++) acc[i][r][half] += vload(x + (size_t)i * ldx + k0 + j) * w;
+                const char *row = (const char *)qs + (size_t)(n0 + r) * row_bytes;
+                const vf sc = vbcast(scale[at]), m0 = vbcast(min ? min[at] : 0.0f);
+                const vf w0 = group_vector(kind, row, g, group, j, sc, m0);
+                for (int i = 0; i < mt; i++) acc[i][r][0] += vload(x + (size_t)i * ldx + k0 + j) * w0;
+                if (two) {
+                    const vf w1 = group_vector(kind, row, g, group, j + TK_VL, sc, m0);
+                    for (int i = 0; i < mt; i++) acc[i][r][1] += vload(x + (size_t)i * ldx + k0 + j + TK_VL) * w1;
+                }
             }
         }
     }
@@ -154,15 +166,20 @@ int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const float *sc
     const int num_tiles = (N + NT - 1) / NT;
     int failed = 0;
     if (M <= FUSED_MAX_ROWS) {
-        const int num_fused = (N + FR - 1) / FR;
+        const int fr = M <= 2 ? FR : FR / 2; /* weight rows per tile: 2 x fr x M accumulators */
+        const int num_fused = (N + fr - 1) / fr;
 #pragma omp parallel for schedule(dynamic, 8) num_threads(nthreads)
         for (int t = 0; t < num_fused; t++) {
-            const int n0 = t * FR, nr = N - n0 < FR ? N - n0 : FR;
+            const int n0 = t * fr, nr = N - n0 < fr ? N - n0 : fr;
             float sums[FUSED_MAX_ROWS * FR];
-            if (nr == FR && M == 1)
+            if (nr == fr && M == 1)
                 fused_tile(1, FR, x, ldx, kind, qs, scale, min, group, K, n0, sums);
-            else if (nr == FR && M == 2)
+            else if (nr == fr && M == 2)
                 fused_tile(2, FR, x, ldx, kind, qs, scale, min, group, K, n0, sums);
+            else if (nr == fr && M == 3)
+                fused_tile(3, FR / 2, x, ldx, kind, qs, scale, min, group, K, n0, sums);
+            else if (nr == fr && M == 4)
+                fused_tile(4, FR / 2, x, ldx, kind, qs, scale, min, group, K, n0, sums);
             else
                 fused_tile(M, nr, x, ldx, kind, qs, scale, min, group, K, n0, sums);
             for (int i = 0; i < M; i++)
