@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from frontend_svc.engine.routing import DEFAULT_LOAD_THRESHOLD_TOKENS
+from frontend_svc.text.reasoning import REASONING_PARSERS
+from frontend_svc.text.tools import FORMATS
 from tandem_common.flags import (
     HelpFormatter,
     add_observability_flags,
@@ -38,6 +40,8 @@ class FrontendConfig:
     http_port: int | None = None  # None: no HTTP face; 0 picks a free port (service/http/)
     http_host: str | None = None  # None: the service's --host
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
+    tool_call_parser: str | None = None  # None: the format the chat template shows (text/tools)
+    reasoning_parser: str | None = None  # None: no reasoning split
     max_message_bytes: int = 16 * 1024 * 1024
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1024
@@ -208,6 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="local tokenizer directory; default: fetched from an engine (GetTokenizer), "
         "each file checked against its sha256",
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(FORMATS),
+        metavar="NAME",
+        help=f"format of the model's tool calls ({', '.join(FORMATS)}); default: the one the chat "
+        "template shows, else json (docs/tools.md)",
+    )
+    t.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split <think> ... </think> from the answer into reasoning (docs/tools.md); default: off",
     )
 
     n = p.add_argument_group("server")

@@ -193,10 +193,10 @@ def check_structured_output(s: StructuredOutput) -> FieldError | None:
         return _check_json_schema(s.text)
     if s.kind in ("regex", "grammar") and not s.text:
         return FieldError(name, f"the {s.kind} is empty")
-    if s.kind in ("regex", "grammar"):
-        return _check_regex(name, s.text)
     if s.kind == "grammar" and s.grammar_syntax not in GRAMMAR_SYNTAXES:
         return FieldError("grammar.syntax", f"must be one of {GRAMMAR_SYNTAXES}, got {s.grammar_syntax!r}")
+    if s.kind in ("regex", "grammar"):
+        return _check_regex(name, s.text)
     if s.kind == "choice":
         if not s.choices:
             return FieldError(name, "the list of choices is empty: give at least one string")

@@ -17,6 +17,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # aborted by the client or because its stream ended
     ERROR = "error"  # refused or failed; the output carries the error
+    TOOL_CALLS = "tool_calls"  # (frontend side) a STOP whose answer holds tool calls
 
 
 class ErrorCode(enum.Enum):

@@ -282,6 +282,15 @@ def test_capacity_runs_each_setting_and_fills_every_figure(tmp_path, capsys):
     assert "capacity tok/s" in capsys.readouterr().out
 
 
+def test_tool_parser_cost_fills_every_figure():
+    from benchmarks import tool_parsers
+
+    report = tool_parsers.main(["--repeats", "1"])
+    assert set(report) == {"hermes", "llama3_json", "mistral", "pythonic", "json"}
+    assert not _holes(report)
+    assert all(r["num_tokens"] > 50 for r in report.values())
+
+
 def test_capacity_http_compares_the_two_faces(tmp_path):
     """benchmarks.capacity --http: the same calls over the HTTP face, and the ratios of the two."""
     from benchmarks import capacity

@@ -15,7 +15,9 @@ its documented default, never zero. The token-level sampling fields are read by
 from __future__ import annotations
 
 from frontend_svc.service.planning import Chat, GenerateInput, RequestSizes
+from frontend_svc.text.message_parser import AssistantMessage
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
+from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 from frontend_svc.types import ModelInfo
 from tandem_common.sampling_proto import sampling_params_from_proto
 from tandem_common.types import FinishReason
@@ -26,6 +28,13 @@ _FINISH = {
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: generate_pb2.FINISH_REASON_ERROR,
+    FinishReason.TOOL_CALLS: generate_pb2.FINISH_REASON_TOOL_CALLS,
+}
+_TOOL_CHOICE_MODES = {
+    generate_pb2.TOOL_CHOICE_MODE_UNSPECIFIED: "auto",
+    generate_pb2.TOOL_CHOICE_MODE_AUTO: "auto",
+    generate_pb2.TOOL_CHOICE_MODE_NONE: "none",
+    generate_pb2.TOOL_CHOICE_MODE_REQUIRED: "required",
 }
 
 
@@ -44,6 +53,7 @@ def request_sizes(request: generate_pb2.GenerateRequest) -> RequestSizes:
         num_stop_token_ids=len(sp.stop_token_ids),
         num_logit_bias=len(sp.logit_bias),
         request_id_chars=len(request.request_id),
+        num_tools=len(request.tools),
     )
 
 
@@ -65,14 +75,41 @@ def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
         return_token_ids=request.return_token_ids,
         priority=request.priority,
+        tools=tool_request(request),
+    )
+
+
+def tool_request(request: generate_pb2.GenerateRequest) -> ToolRequest:
+    which = request.tool_choice.WhichOneof("choice")
+    if which == "function_name":
+        choice = ToolChoice("function", request.tool_choice.function_name)
+    else:
+        mode = request.tool_choice.mode
+        choice = ToolChoice(_TOOL_CHOICE_MODES.get(mode, f"unknown mode {mode}"))
+    return ToolRequest(
+        tuple(ToolSpec(t.name, t.description, t.parameters, t.strict) for t in request.tools),
+        choice,
+        request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True,
     )
 
 
 def chat(messages: generate_pb2.ChatMessages) -> Chat:
     return Chat(
-        [{"role": m.role, "content": m.content} for m in messages.messages],
+        [_message(m) for m in messages.messages],
         messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True,
+        messages.enable_thinking if messages.HasField("enable_thinking") else None,
     )
+
+
+def _message(m: generate_pb2.ChatMessage) -> dict:
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
 
 
 # -- responses out -------------------------------------------------------------------------
@@ -80,6 +117,15 @@ def chat(messages: generate_pb2.ChatMessages) -> Chat:
 
 def generate_response(piece: ChoiceOutput, return_token_ids: bool) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(index=piece.index, text=piece.text)
+    if piece.reasoning:
+        response.reasoning_text = piece.reasoning
+    if piece.tool_calls:
+        response.tool_calls.extend(
+            generate_pb2.ToolCallDelta(index=c.index, id=c.id or "", name=c.name or "", arguments=c.arguments)
+            for c in piece.tool_calls
+        )
+    if piece.message is not None:
+        response.message.CopyFrom(_assistant_message(piece.message))
     # Sent once per token per stream: fields that are empty are not touched at all.
     if return_token_ids and piece.token_ids:
         response.token_ids.extend(piece.token_ids)
@@ -101,6 +147,14 @@ def generate_response(piece: ChoiceOutput, return_token_ids: bool) -> generate_p
             )
         )
     return response
+
+
+def _assistant_message(m: AssistantMessage) -> generate_pb2.AssistantMessage:
+    return generate_pb2.AssistantMessage(
+        content=m.content,
+        reasoning=m.reasoning,
+        tool_calls=[generate_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
+    )
 
 
 def _logprob(lp: LogprobText) -> generate_pb2.Logprob:

@@ -27,6 +27,7 @@ from frontend_svc.engine.client import EngineClient
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
 from frontend_svc.service.flow import InFlightCalls
+from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import Plan, RequestLimits
 from frontend_svc.service.request_stats import GenerateStats
@@ -50,7 +51,8 @@ class EngineRefused(CallError):
 
 class Generation:
     """The frontend's shared state for running requests: router, limits, calls in flight,
-    metrics, tracer and the tokenizer (set once it is loaded)."""
+    metrics, tracer, the output parsers (--tool-call-parser, --reasoning-parser) and the
+    tokenizer (set once it is loaded)."""
 
     def __init__(
         self,
@@ -61,8 +63,10 @@ class Generation:
         stream_interval: int = 0,
         metrics: FrontendMetrics | None = None,
         tracer=None,
+        parsers: OutputParsers | None = None,
     ) -> None:
         self.router = router
+        self.parsers = parsers or OutputParsers()
         self.stream_interval = stream_interval
         self.limits = limits if limits is not None else RequestLimits()
         self.calls = calls if calls is not None else InFlightCalls()

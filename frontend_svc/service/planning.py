@@ -17,10 +17,14 @@ the public API, e.g. "sampling_params.top_p: must be in (0, 1], got 2.0".
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from frontend_svc.service import message_plan
+from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.text.chat_roles import check_roles
 from frontend_svc.text.output_processor import TextParams
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.text.tools.spec import MAX_TOOLS, ToolRequest
 from frontend_svc.types import CallError, ModelInfo
 from tandem_common.sampling import SamplingParams, check_sampling_params
 from tandem_common.sampling import check_sizes as check_sampling_sizes
@@ -60,14 +64,18 @@ class RequestSizes:
     num_stop_token_ids: int = 0
     num_logit_bias: int = 0
     request_id_chars: int = 0
+    num_tools: int = 0
 
 
 @dataclass
 class Chat:
     """A conversation to render with the model's chat template."""
 
-    messages: list[dict[str, str]]  # {"role": ..., "content": ...}
+    # {"role": ..., "content": ...}, plus "tool_calls" ([{"id", "name", "arguments"}]),
+    # "tool_call_id" and "name" where the turn has them
+    messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    enable_thinking: bool | None = None  # passed to the template when set
     template_kwargs: dict = field(default_factory=dict)  # extra variables for the template (HTTP chat_template_kwargs)
 
 
@@ -94,6 +102,7 @@ class GenerateInput:
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     priority: int = 0
+    tools: ToolRequest = field(default_factory=ToolRequest)
 
 
 @dataclass
@@ -126,6 +135,8 @@ def check_sizes(sizes: RequestSizes, limits: RequestLimits, info: ModelInfo) -> 
         raise invalid("token_ids.ids", _too_long(sizes.num_token_ids, info.max_model_len))
     if sizes.input == "messages":
         check_num_messages("messages.messages", sizes.num_messages)
+    if sizes.num_tools > MAX_TOOLS:
+        raise invalid("tools", f"at most {MAX_TOOLS} tools are allowed, got {sizes.num_tools}")
     if sizes.num_stop > limits.max_stop_strings:
         raise invalid(
             "sampling_params.stop", f"at most {limits.max_stop_strings} stop strings are allowed, got {sizes.num_stop}"
@@ -140,10 +151,26 @@ def check_num_messages(field: str, num_messages: int) -> None:
         raise invalid(field, f"at most {MAX_CHAT_MESSAGES} messages are allowed, got {num_messages}")
 
 
-def plan_generate(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo, limits: RequestLimits) -> Plan:
+def plan_generate(
+    request: GenerateInput,
+    tokenizer: Tokenizer,
+    info: ModelInfo,
+    limits: RequestLimits,
+    parsers: OutputParsers | None = None,
+) -> Plan:
     """Tokenizes the prompt and checks every field; raises CallError for the first problem.
     The sizes are checked already (``check_sizes``)."""
-    prompt = _prompt(request, tokenizer, info)
+    parsers = parsers or OutputParsers()
+    message_plan.check_tool_request(request.tools, request.input == "messages")
+    rendering = None
+    prompt_text = ""
+    if request.input == "messages" and request.chat is not None:
+        chat = request.chat
+        rendering = message_plan.prepare(chat.messages, request.tools, chat.enable_thinking, tokenizer, parsers)
+        prompt_text = render_chat_text(chat, tokenizer, rendering.messages, rendering.template_kwargs)
+        prompt = encode_prompt("messages", prompt_text, tokenizer, info.max_model_len, add_special_tokens=False)
+    else:
+        prompt = _prompt(request, tokenizer, info)
     which = request.input or "input"  # set: _prompt refuses a request without one
     if not prompt:
         raise invalid(which, "the prompt is empty after tokenization")
@@ -164,13 +191,17 @@ def plan_generate(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo,
             ),
         )
     check_params(params, request.n, request.stop, info.vocab_size, limits)
+    message, params, skip_special_tokens = message_plan.finish(
+        rendering, prompt_text, request.tools, params, request.skip_special_tokens, tokenizer, parsers
+    )
     text = TextParams(
         stop=list(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens,
+        skip_special_tokens=skip_special_tokens,
         min_tokens=params.min_tokens,
         return_token_ids=request.return_token_ids,
         prompt_logprobs=params.prompt_logprobs is not None,
+        message=message,
     )
     return Plan(prompt, request.n, params, text, request.priority)
 
@@ -253,6 +284,16 @@ def check_ids(field: str, ids, vocab_size: int) -> None:
 
 def render_chat(chat: Chat, tokenizer: Tokenizer, max_model_len: int | None) -> list[int]:
     """Token ids of ``chat`` rendered with the model's chat template."""
+    text = render_chat_text(chat, tokenizer, chat.messages, {})
+    # The template writes the special tokens (BOS) itself.
+    return encode_prompt("messages", text, tokenizer, max_model_len, add_special_tokens=False)
+
+
+def render_chat_text(
+    chat: Chat, tokenizer: Tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]
+) -> str:
+    """``chat`` rendered with the model's chat template (``messages``: its turns as the
+    template reads them; ``template_kwargs``: tools, enable_thinking)."""
     if not tokenizer.has_chat_template:
         raise invalid("messages", "the model has no chat template; send text or token_ids instead")
     if not chat.messages:
@@ -261,10 +302,9 @@ def render_chat(chat: Chat, tokenizer: Tokenizer, max_model_len: int | None) -> 
     if bad_role is not None:
         raise invalid(f"messages.messages[{bad_role[0]}].role", bad_role[1])
     try:
-        text = tokenizer.apply_chat_template(
-            chat.messages, add_generation_prompt=chat.add_generation_prompt, **chat.template_kwargs
+        # The plan's own variables (tools, enable_thinking) win over the client's.
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=chat.add_generation_prompt, **{**chat.template_kwargs, **template_kwargs}
         )
     except (ValueError, TypeError) as e:  # TypeError: a template variable that clashes with an argument
         raise invalid("messages", str(e)) from e
-    # The template writes the special tokens (BOS) itself.
-    return encode_prompt("messages", text, tokenizer, max_model_len, add_special_tokens=False)

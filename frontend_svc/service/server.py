@@ -30,6 +30,7 @@ from frontend_svc.engine.routing import RoutingPolicy
 from frontend_svc.service import servicer as generate
 from frontend_svc.service.flow import InFlightCalls
 from frontend_svc.service.malformed import MalformedRequestInterceptor
+from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import RequestLimits
 from frontend_svc.text.tokenizer import Tokenizer
@@ -136,6 +137,7 @@ class FrontendServer:
             stream_interval=config.stream_interval,
             metrics=self.metrics,
             tracer=tracer,
+            parsers=OutputParsers(config.tool_call_parser, config.reasoning_parser),
         )
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

@@ -23,6 +23,7 @@ from frontend_svc.engine.router import EngineRouter
 from frontend_svc.service import convert
 from frontend_svc.service.flow import Call, InFlightCalls
 from frontend_svc.service.generation import Generation
+from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
@@ -60,10 +61,17 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         stream_interval: int = 0,
         metrics: FrontendMetrics | None = None,
         tracer=None,
+        parsers: OutputParsers | None = None,
     ) -> None:
         # The face-neutral part; the HTTP face (service/http/) runs its requests on the same one.
         self.generation = Generation(
-            router, limits=limits, calls=calls, stream_interval=stream_interval, metrics=metrics, tracer=tracer
+            router,
+            limits=limits,
+            calls=calls,
+            stream_interval=stream_interval,
+            metrics=metrics,
+            tracer=tracer,
+            parsers=parsers,
         )
         self.router = router
         self.limits = self.generation.limits
@@ -121,7 +129,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(code, message)
 
     def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
-        return plan_generate(convert.generate_input(request), tokenizer, info, self.limits)
+        return plan_generate(convert.generate_input(request), tokenizer, info, self.limits, self.generation.parsers)
 
     # -- unary RPCs ---------------------------------------------------------------------------
 

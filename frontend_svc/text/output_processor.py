@@ -3,6 +3,7 @@
     EngineOutput (token ids, logprobs, finish)                       per step, maybe merged
         -> IncrementalDetokenizer.push()   token ids -> text delta
         -> StopChecker.process()           hold back possible stop prefixes, find matches
+        -> MessageParser.feed()            reasoning, tool calls, content (when asked for)
         -> ChoiceOutput (text, token ids, logprobs with token text, finish, usage)
 
 A stop string ends the choice on the token whose text completed it: later tokens of the
@@ -11,6 +12,11 @@ engine request (``ChoiceOutput.abort_engine``). Stop strings are searched only i
 produced after the first ``min_tokens`` output tokens. When the engine stops on a stop
 token (EOS or stop_token_ids), that token counts as generated but its text is left out
 unless ``include_stop_str_in_output`` is set, as in vLLM.
+
+Reasoning and tool calls are split from the text after stop strings are applied, so a
+stop string ends the answer wherever it falls (even inside a call) and the parsers see
+exactly the text a client without them would. A choice that ends as STOP with tool calls
+in its answer ends as TOOL_CALLS; one cut by max_tokens stays LENGTH, calls and all.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from frontend_svc.text.detokenizer import IncrementalDetokenizer
+from frontend_svc.text.message_parser import AssistantMessage, MessageFormat, MessageParser, ToolCallPiece
 from frontend_svc.text.stop_checker import StopChecker
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.types import EngineOutput
@@ -35,6 +42,7 @@ class TextParams:
     min_tokens: int = 0
     return_token_ids: bool = False
     prompt_logprobs: bool = False  # this choice carries the prompt logprobs
+    message: MessageFormat = field(default_factory=MessageFormat)  # reasoning / tool-call split
 
 
 @dataclass
@@ -74,6 +82,9 @@ class ChoiceOutput:
     stop_token_id: int | None = None
     usage: Usage | None = None
     abort_engine: bool = False  # a stop string ended it while the engine request still runs
+    reasoning: str = ""  # new thought text (a reasoning parser runs); never in ``text``
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)  # new pieces of calls
+    message: AssistantMessage | None = None  # the whole answer, on the last piece (parsers run)
 
     @property
     def finished(self) -> bool:
@@ -123,6 +134,8 @@ class ChoiceProcessor:
         self._has_stops = any(params.stop)
         self._prompt_logprobs: list[LogprobText] = []
         self._prompt_logprobs_sent = not params.prompt_logprobs
+        self._message = MessageParser(params.message) if params.message.active else None
+        self._raw_text: list[str] = []  # the text before the split, for the final message
 
     def process(self, out: EngineOutput) -> ChoiceOutput | None:
         """Turns one (possibly merged) engine output into the choice's next piece.
@@ -162,13 +175,34 @@ class ChoiceProcessor:
                 stop_token_id = out.stop_token_id if out.finish_reason is FinishReason.STOP else None
                 self._finish(piece, out.finish_reason, stop_token_id=stop_token_id)
 
+        if self._message is not None:
+            self._split(piece, self._message)
         if not self._prompt_logprobs_sent and (ids or piece.finished):
             piece.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
             self._prompt_logprobs_sent = True
         has_news = (
-            piece.text or piece.logprobs or piece.prompt_logprobs or (self.params.return_token_ids and piece.token_ids)
+            piece.text
+            or piece.reasoning
+            or piece.tool_calls
+            or piece.logprobs
+            or piece.prompt_logprobs
+            or (self.params.return_token_ids and piece.token_ids)
         )
         return piece if has_news or piece.finished else None
+
+    def _split(self, piece: ChoiceOutput, parser: MessageParser) -> None:
+        """Replaces the piece's text by its content, reasoning and call pieces."""
+        self._raw_text.append(piece.text)
+        delta = parser.feed(piece.text)
+        if piece.finished:
+            tail = parser.finish()
+            delta.content += tail.content
+            delta.reasoning += tail.reasoning
+            delta.tool_calls.extend(tail.tool_calls)
+            piece.message = parser.complete("".join(self._raw_text))
+            if piece.message.tool_calls and piece.finish_reason is FinishReason.STOP:
+                piece.finish_reason = FinishReason.TOOL_CALLS
+        piece.text, piece.reasoning, piece.tool_calls = delta.content, delta.reasoning, delta.tool_calls
 
     @property
     def _checking(self) -> bool:

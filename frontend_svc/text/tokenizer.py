@@ -178,6 +178,15 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template_source is not None
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (the tool-call format is read from it)."""
+        return self._chat_template_source
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token whose text is ``text``, or None."""
+        return self._id_of(text) if text in self.special_tokens else None
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

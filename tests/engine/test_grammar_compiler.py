@@ -147,7 +147,9 @@ def test_the_queue_is_bounded_per_stream_and_refusals_are_retryable(setup):
 
 def test_a_compile_that_waited_for_a_thread_past_the_timeout_is_retryable(setup):
     backend, eos = setup
-    compiler = GrammarCompiler(backend, timeout_s=0.2)
+    # Each big schema takes a thread ~25 ms or more (more on a loaded machine); the small
+    # one waits behind four of them on two threads, past a 20 ms limit whatever the speed.
+    compiler = GrammarCompiler(backend, timeout_s=0.02)
     for i in range(4):  # two running, two queued ahead
         compiler.submit(_request(big_schema(f"t{i}", 1000), eos, f"0/{i}"))
     compiler.submit(_request(StructuredOutput("regex", "[0-9]+"), eos, "0/small"))

@@ -52,7 +52,7 @@ def test_chat_fields_and_response_format():
         ({"messages": [], "n": True}, "n"),
         ({"messages": [], "temperature": float("nan")}, "temperature"),
         ({"messages": [], "stop": [1]}, "stop"),
-        ({"messages": [], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [], "tools": [{"type": "function"}]}, "tools[0].function"),
         ({"messages": [], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ([], None),

@@ -7,15 +7,19 @@
 ``system`` becomes a leading system message; text content blocks are joined. The stream
 follows Anthropic's event sequence: message_start, content_block_start, deltas,
 content_block_stop, message_delta (stop_reason, usage), message_stop. stop_reason is
-``end_turn`` (EOS or a stop token), ``stop_sequence`` (with the string) or ``max_tokens``.
-Tool use is not served yet (``tools`` is refused, as on the OpenAI face).
+``end_turn`` (EOS or a stop token), ``stop_sequence`` (with the string), ``max_tokens`` or
+``tool_use``. Tools, tool_use / tool_result blocks and thinking are converted by
+``anthropic_tools``; an answer split into thinking, text and tool_use blocks streams its
+blocks as they open (``anthropic_tools.BlockStream``).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
+from frontend_svc.service.http.anthropic_tools import BlockStream, enable_thinking, message_blocks, tool_request, turns
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_requests import message_text
@@ -34,9 +38,7 @@ class AnthropicRequest:
 
 def messages_request(body, *, count_only: bool = False) -> AnthropicRequest:
     f = Fields(body)
-    if f.list("tools"):
-        raise bad_request("tools", "tool use is not supported by this server yet; send the request without tools")
-    chat = Chat(_messages(f), add_generation_prompt=True)
+    chat = Chat(_messages(f), add_generation_prompt=True, enable_thinking=enable_thinking(f))
     max_tokens = f.int("max_tokens")
     if max_tokens is None and not count_only:
         raise bad_request("max_tokens", "is required: the most tokens to generate")
@@ -53,11 +55,12 @@ def messages_request(body, *, count_only: bool = False) -> AnthropicRequest:
         params=params,
         max_tokens_set=max_tokens is not None,
         stop=_stop_sequences(f),
+        tools=tool_request(f),
     )
     return AnthropicRequest(gen, f.str("model"), stream=f.bool("stream", False))
 
 
-def _messages(f: Fields) -> list[dict[str, str]]:
+def _messages(f: Fields) -> list[dict[str, Any]]:
     messages = f.list("messages")
     if messages is None:
         raise bad_request("messages", "is required: an array of {role, content} messages")
@@ -70,7 +73,7 @@ def _messages(f: Fields) -> list[dict[str, str]]:
         role = mf.str("role")
         if role not in ("user", "assistant"):
             raise bad_request(mf.name("role"), f"must be user or assistant, got {role!r}")
-        out.append({"role": role, "content": message_text(mf)})
+        out.extend(turns(mf, role))
     return out
 
 
@@ -93,13 +96,16 @@ def param_name(path: str) -> str:
 def _stop_reason(piece: ChoiceOutput) -> str:
     if piece.finish_reason is FinishReason.LENGTH:
         return "max_tokens"
+    if piece.finish_reason is FinishReason.TOOL_CALLS:
+        return "tool_use"
     return "stop_sequence" if piece.stop_str is not None else "end_turn"
 
 
 class AnthropicAnswer:
     """One message, built piece by piece (one choice: Messages has no n)."""
 
-    def __init__(self, model: str, num_prompt_tokens: int) -> None:
+    def __init__(self, model: str, num_prompt_tokens: int, *, split: bool = False) -> None:
+        self.blocks = BlockStream() if split else None  # thinking / tool_use blocks possible
         self.id = "msg_" + uuid.uuid4().hex
         self.model = model
         self.num_prompt_tokens = num_prompt_tokens
@@ -109,12 +115,15 @@ class AnthropicAnswer:
 
     def _message(self, text: str | None) -> dict:
         last = self.last
+        content = [] if text is None else [{"type": "text", "text": text}]
+        if text is not None and last is not None and last.message is not None:
+            content = message_blocks(last.message)
         return {
             "id": self.id,
             "type": "message",
             "role": "assistant",
             "model": self.model,
-            "content": [] if text is None else [{"type": "text", "text": text}],
+            "content": content,
             "stop_reason": None if last is None else _stop_reason(last),
             "stop_sequence": None if last is None else last.stop_str,
             "usage": {"input_tokens": self.num_prompt_tokens, "output_tokens": self.num_tokens},
@@ -134,6 +143,8 @@ class AnthropicAnswer:
     # -- streaming: (event name, data) pairs ------------------------------------------------
 
     def start_events(self) -> list[tuple[str, dict]]:
+        if self.blocks is not None:  # blocks open as their first pieces arrive
+            return [("message_start", {"type": "message_start", "message": self._message(None)})]
         return [
             ("message_start", {"type": "message_start", "message": self._message(None)}),
             (
@@ -145,11 +156,14 @@ class AnthropicAnswer:
     def events(self, piece: ChoiceOutput) -> list[tuple[str, dict]]:
         self.add(piece)
         out = []
-        if piece.text:
+        if self.blocks is not None:
+            out = self.blocks.events(piece)
+        elif piece.text:
             delta = {"type": "text_delta", "text": piece.text}
             out.append(("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}))
         if piece.finished:
-            out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            if self.blocks is None:
+                out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
             stop: dict[str, str | None] = {"stop_reason": _stop_reason(piece), "stop_sequence": piece.stop_str}
             usage = {"output_tokens": self.num_tokens}
             out.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))

@@ -141,7 +141,7 @@ class HttpFace:
                 raise from_call_error(e, anthropic_api.param_name) from None
         except HttpError as e:
             return _error(e, anthropic=True)
-        answer = anthropic_api.AnthropicAnswer(model, len(plan.prompt_token_ids))
+        answer = anthropic_api.AnthropicAnswer(model, len(plan.prompt_token_ids), split=plan.text.message.active)
         if not req.stream:
             error = await until_disconnect(request, run, collect(run, run.pieces(plan), answer.add))
             if error is not None:

@@ -8,8 +8,8 @@ Fields are read as the OpenAI API defines them, plus vLLM's documented extras wh
 Tandem has the feature (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs,
 priority, chat_template_kwargs). ``user`` and other unknown fields are ignored. Tool
-calling (``tools``, ``tool_choice``) is not served yet: a request that asks for tools is
-refused by ``check_no_tools``, the one place where their conversion will go.
+calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, tool turns) is read by
+``openai_tools``.
 
 ``param_name`` turns planning's gRPC field paths back into these names for errors.
 """
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
+from frontend_svc.service.http.openai_tools import message_extras, tool_request
 from frontend_svc.service.planning import Chat, GenerateInput
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
 
@@ -59,7 +61,6 @@ def completion_request(body) -> OpenAIRequest:
 
 def chat_request(body) -> OpenAIRequest:
     f = Fields(body)
-    check_no_tools(f)
     logprobs = f.bool("logprobs", False)
     top = f.int("top_logprobs", lo=0)
     if top is not None and not logprobs:
@@ -72,20 +73,13 @@ def chat_request(body) -> OpenAIRequest:
         f.bool("add_generation_prompt", True),
         template_kwargs=dict(kwargs.body) if kwargs is not None else {},
     )
+    gen.tools = tool_request(f)
     return OpenAIRequest(gen, f.str("model"), logprobs=logprobs, **_stream(f))
 
 
-def check_no_tools(f: Fields) -> None:
-    """Tool calling is not served yet; a request that needs it must not get plain text instead."""
-    if f.list("tools"):
-        raise bad_request("tools", "tool calling is not supported by this server yet; send the request without tools")
-    choice = f.raw("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice", "tool calling is not supported by this server yet")
-
-
-def chat_messages(f: Fields, key: str = "messages") -> list[dict[str, str]]:
-    """Messages as {"role", "content"} with text content: a string, or an array of text parts."""
+def chat_messages(f: Fields, key: str = "messages") -> list[dict[str, Any]]:
+    """Messages as {"role", "content"} with text content (a string, or an array of text
+    parts), plus an assistant's tool_calls and a tool turn's tool_call_id."""
     messages = f.list(key)
     if messages is None:
         raise bad_request(key, "is required: an array of {role, content} messages")
@@ -95,7 +89,7 @@ def chat_messages(f: Fields, key: str = "messages") -> list[dict[str, str]]:
         role = mf.str("role")
         if not role:
             raise bad_request(mf.name("role"), "is required (system, user, assistant ...)")
-        out.append({"role": role, "content": message_text(mf)})
+        out.append({"role": role, "content": message_text(mf), **message_extras(mf)})
     return out
 
 

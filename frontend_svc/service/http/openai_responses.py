@@ -7,9 +7,11 @@
 Logprobs come in OpenAI's two shapes: chat ``logprobs.content[]`` with ``bytes``;
 completions ``tokens / token_logprobs / top_logprobs / text_offset``. A log-probability of
 -inf (a token the sampler masked) is written as -9999.0, as vLLM does: JSON has no -inf.
-The first chunk of each chat choice carries ``role``. finish_reason is ``stop`` or
-``length`` (``tool_calls`` once tools are served); ``stop_reason`` (a vLLM extra) names
-the stop string or stop token id that ended the choice.
+The first chunk of each chat choice carries ``role``. finish_reason is ``stop``,
+``length`` or ``tool_calls``; ``stop_reason`` (a vLLM extra) names the stop string or stop
+token id that ended the choice. With tools or a reasoning parser, chat deltas carry
+``tool_calls`` pieces and ``reasoning_content`` beside ``content``, and the whole message
+is the frontend's complete parse: ``content`` is null when the answer is only calls.
 """
 
 from __future__ import annotations
@@ -18,11 +20,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from frontend_svc.service.http.openai_tools import call_delta, message_call
+from frontend_svc.text.message_parser import AssistantMessage
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
 from tandem_common.types import FinishReason
 
 MIN_LOGPROB = -9999.0
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.TOOL_CALLS: "tool_calls",
+}
 
 
 def logprob_value(x: float) -> float:
@@ -126,10 +135,16 @@ class OpenAIAnswer:
         choice: dict = {"index": piece.index}
         text = piece.text
         if self.chat:
-            delta: dict = {"content": text}
+            delta: dict = {}
             if not c.role_sent:
-                delta = {"role": "assistant", "content": text}
+                delta["role"] = "assistant"
                 c.role_sent = True
+            if text or not (piece.reasoning or piece.tool_calls):
+                delta["content"] = text
+            if piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
+            if piece.tool_calls:
+                delta["tool_calls"] = [call_delta(p) for p in piece.tool_calls]
             choice["delta"] = delta
             choice["logprobs"] = {"content": chat_logprobs(piece.logprobs)} if self.logprobs else None
         else:
@@ -171,13 +186,14 @@ class OpenAIAnswer:
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
             choice: dict = {"index": i}
+            assert c.last is not None  # every choice finished before the response is made
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                message = c.last.message
+                choice["message"] = {"role": "assistant", "content": text} if message is None else _message(message)
                 choice["logprobs"] = {"content": chat_logprobs(c.logprobs)} if self.logprobs else None
             else:
                 choice["text"] = self.echo + text
                 choice["logprobs"] = completion_logprobs(c.logprobs, len(self.echo)) if self.logprobs else None
-            assert c.last is not None  # every choice finished before the response is made
             choice["finish_reason"] = finish_reason(c.last)
             choice["stop_reason"] = stop_reason(c.last)
             if c.prompt_logprobs:
@@ -189,3 +205,13 @@ class OpenAIAnswer:
 
     def _head(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _message(m: AssistantMessage) -> dict:
+    """The parsed answer as an OpenAI chat message."""
+    out: dict = {"role": "assistant", "content": None if m.tool_calls and not m.content else m.content}
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        out["tool_calls"] = [message_call(c) for c in m.tool_calls]
+    return out

@@ -62,7 +62,7 @@ class HttpRun:
             self._call = g.calls.enter(self._context)
             tokenizer, info = g.ready()
             check_sizes(_sizes(gen), g.limits, info)
-            plan = await g.off_loop(_input_chars(gen), plan_generate, gen, tokenizer, info, g.limits)
+            plan = await g.off_loop(_input_chars(gen), plan_generate, gen, tokenizer, info, g.limits, g.parsers)
         except CallError as e:
             self.failed(e)
             self.end()

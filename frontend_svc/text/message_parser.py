@@ -1,0 +1,135 @@
+"""A choice's text split into reasoning, content and tool calls, while it streams.
+
+    text deltas (after stop strings)
+        -> ReasoningParser   <think> ... </think>  -> reasoning
+        -> ToolCallParser    the format's calls     -> tool-call pieces (index, id, name, arguments)
+        -> the rest                                 -> content
+
+Both stages are optional: without a reasoning parser all text goes to the tool parser;
+without tools (or with tool_choice none) the content is the text after the thought. Tool
+calls are looked for only after the thought ends, so a call the model drafts while
+thinking is never returned. ``complete`` parses a whole output by the same rules; its
+result equals the deltas joined (content and reasoning exactly, calls by name, id and
+arguments as the same JSON value).
+
+Call ids are made here, one per call index, and shared by the streamed pieces and the
+complete parse, so a client that joins the pieces and one that reads the final message
+see the same ids.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from frontend_svc.text.reasoning import ReasoningParser, split_reasoning
+from frontend_svc.text.tools import ToolCallFormat, ToolCallParser
+
+
+@dataclass(frozen=True)
+class ToolCallPiece:
+    """A piece of call ``index``: the first carries its id and name, later ones argument text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class FinishedCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass
+class MessageDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AssistantMessage:
+    """A whole answer, split."""
+
+    content: str
+    reasoning: str = ""
+    tool_calls: tuple[FinishedCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class MessageFormat:
+    """How to split one request's output: its tool-call format (None: no tools) and
+    whether a reasoning parser runs, and if so whether the prompt opened the thought."""
+
+    tools: ToolCallFormat | None = None
+    reasoning: bool = False
+    starts_in_thought: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.tools is not None or self.reasoning
+
+
+class MessageParser:
+    def __init__(self, fmt: MessageFormat) -> None:
+        self.fmt = fmt
+        self._reasoning = ReasoningParser(fmt.starts_in_thought) if fmt.reasoning else None
+        self._tools: ToolCallParser | None = fmt.tools.new_parser() if fmt.tools is not None else None
+        self._ids: list[str] = []
+
+    def call_id(self, index: int) -> str:
+        while len(self._ids) <= index:
+            self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return self._ids[index]
+
+    def feed(self, text: str) -> MessageDelta:
+        if self._reasoning is None:
+            return self._body(text, final=False)
+        split = self._reasoning.feed(text)
+        out = self._body(split.content, final=False)
+        out.reasoning = split.reasoning
+        return out
+
+    def finish(self) -> MessageDelta:
+        if self._reasoning is None:
+            return self._body("", final=True)
+        split = self._reasoning.finish()
+        out = self._body(split.content, final=True)
+        out.reasoning = split.reasoning
+        return out
+
+    def _body(self, text: str, final: bool) -> MessageDelta:
+        if self._tools is None:
+            return MessageDelta(content=text)
+        parsed = self._tools.feed(text) if text else None
+        out = MessageDelta()
+        for delta in (parsed, self._tools.finish() if final else None):
+            if delta is None:
+                continue
+            out.content += delta.content
+            for piece in delta.tool_calls:
+                first = piece.name is not None
+                out.tool_calls.append(
+                    ToolCallPiece(
+                        piece.index,
+                        self.call_id(piece.index) if first else None,
+                        piece.name,
+                        piece.arguments,
+                    )
+                )
+        return out
+
+    def complete(self, text: str) -> AssistantMessage:
+        """The whole output ``text`` parsed at once, with the ids the pieces carried."""
+        reasoning, body = "", text
+        if self.fmt.reasoning:
+            split = split_reasoning(text, self.fmt.starts_in_thought)
+            reasoning, body = split.reasoning, split.content
+        if self.fmt.tools is None:
+            return AssistantMessage(body, reasoning)
+        parsed = self.fmt.tools.parse(body)
+        calls = tuple(FinishedCall(self.call_id(i), c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
+        return AssistantMessage(parsed.content, reasoning, calls)

@@ -1,0 +1,115 @@
+"""Forcing grammars against their own formats: what the grammar allows, the format's parser
+reads back as the same calls, and what breaks a schema the grammar refuses (llguidance,
+the engine's grammar library, on the demo model's tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from frontend_svc.text.tools import FORMATS
+from frontend_svc.text.tools.forcing import FORCEABLE, ForcingError, tools_grammar
+from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
+from tandem_common.sampling import StructuredOutput
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = (ToolSpec("get_weather", parameters=json.dumps(CITY)), ToolSpec("get_time"))
+REQUIRED = ToolRequest(TOOLS, ToolChoice("required"))
+
+
+def written(fmt: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls as the model writes them in ``fmt``, compact JSON as the grammar allows."""
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    objs = [json.dumps({"name": n, key: a}, separators=(",", ":")) for n, a in calls]
+    if fmt == "hermes":
+        return "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs)
+    if fmt == "mistral":
+        return "[TOOL_CALLS][" + ",".join(objs) + "]"
+    if fmt == "llama3_json":
+        return ";".join(objs)
+    return objs[0] if len(objs) == 1 else "[" + ",".join(objs) + "]"
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(demo_model_dir):
+    return llguidance.LLTokenizer((demo_model_dir / "tokenizer.json").read_text(), n_vocab=2048, eos_token=[1])
+
+
+def accepts(tokenizer, grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", FORCEABLE)
+def test_what_the_grammar_allows_the_parser_reads_back(llg_tokenizer, fmt):
+    grammar = tools_grammar(fmt, REQUIRED, None, lambda _: None)
+    for calls in ([("get_weather", {"city": "Oslo"})], [("get_time", {}), ("get_weather", {"city": "x"})]):
+        text = written(fmt, calls)
+        assert accepts(llg_tokenizer, grammar, text), text
+        parsed = FORMATS[fmt].parse(text)
+        assert parsed.content == ""
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+
+
+@pytest.mark.parametrize("fmt", FORCEABLE)
+def test_the_grammar_refuses_text_unknown_tools_and_bad_arguments(llg_tokenizer, fmt):
+    grammar = tools_grammar(fmt, REQUIRED, None, lambda _: None)
+    assert not accepts(llg_tokenizer, grammar, "Sure, let me check.")
+    assert not accepts(llg_tokenizer, grammar, written(fmt, [("rm_rf", {})]))
+    assert not accepts(llg_tokenizer, grammar, written(fmt, [("get_weather", {"city": 3})]))
+    assert not accepts(llg_tokenizer, grammar, written(fmt, [("get_time", {"extra": 1})]))
+
+
+def test_mistral_named_form_is_forced_as_its_templates_show_it(llg_tokenizer):
+    grammar = tools_grammar("mistral", REQUIRED, None, lambda _: None, mistral_named=True)
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city":"Oslo"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert accepts(llg_tokenizer, grammar, text)
+    parsed = FORMATS["mistral"].parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    assert not accepts(llg_tokenizer, grammar, '[TOOL_CALLS]get_time[ARGS]{"x":1}')
+    assert not accepts(llg_tokenizer, grammar, written("mistral", [("get_time", {})]))  # the array form
+
+
+def test_named_and_single_calls_allow_exactly_one(llg_tokenizer):
+    named = tools_grammar("hermes", ToolRequest(TOOLS, ToolChoice("function", "get_time")), None, lambda _: None)
+    assert accepts(llg_tokenizer, named, written("hermes", [("get_time", {})]))
+    assert not accepts(llg_tokenizer, named, written("hermes", [("get_weather", {"city": "x"})]))
+    assert not accepts(llg_tokenizer, named, written("hermes", [("get_time", {}), ("get_time", {})]))
+    single = tools_grammar("json", ToolRequest(TOOLS, ToolChoice("required"), False), None, lambda _: None)
+    assert not accepts(llg_tokenizer, single, written("json", [("get_time", {}), ("get_time", {})]))
+
+
+def test_auto_with_a_response_format_allows_calls_or_the_answer(llg_tokenizer):
+    answer = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    grammar = tools_grammar("hermes", ToolRequest(TOOLS), answer, lambda _: None)
+    assert accepts(llg_tokenizer, grammar, '{"a":1}')
+    assert accepts(llg_tokenizer, grammar, written("hermes", [("get_time", {})]))
+    assert not accepts(llg_tokenizer, grammar, "free text")
+
+
+def test_a_thought_comes_first_when_the_prompt_opened_it(llg_tokenizer):
+    grammar = tools_grammar("hermes", REQUIRED, None, lambda _: None, thought="open")
+    call = written("hermes", [("get_time", {})])
+    assert accepts(llg_tokenizer, grammar, "I need the time. <b>{x}</b></think>" + call)
+    assert not accepts(llg_tokenizer, grammar, call)  # the thought must be closed first
+    optional = tools_grammar("hermes", REQUIRED, None, lambda _: None, thought="optional")
+    assert accepts(llg_tokenizer, optional, call)
+    assert accepts(llg_tokenizer, optional, "<think>hm</think>" + call)
+
+
+def test_a_special_token_tag_is_written_as_the_token():
+    grammar = tools_grammar("mistral", REQUIRED, None, lambda t: 7 if t == "[TOOL_CALLS]" else None)
+    assert 'calls: <[7]> "["' in grammar
+
+
+def test_pythonic_and_grammar_answers_cannot_be_forced():
+    with pytest.raises(ForcingError, match="pythonic"):
+        tools_grammar("pythonic", REQUIRED, None, lambda _: None)
+    with pytest.raises(ForcingError, match="grammar constraint"):
+        tools_grammar("hermes", ToolRequest(TOOLS), StructuredOutput("grammar", "start: x"), lambda _: None)
