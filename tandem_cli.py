@@ -160,6 +160,8 @@ class Pair:
         ]
         if args.model:
             engine_argv += ["--model", args.model]
+        if args.speculative_config:
+            engine_argv += ["--speculative-config", args.speculative_config]
         self.engine = Service("engine", engine_argv + _split(args.engine_arg), self.echo)
         port = self.engine.wait("listening", 120, self.check)
         frontend_argv = [
@@ -377,6 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--host", default="127.0.0.1", help="address both services listen on")
         sp.add_argument("--device", default=os.environ.get("TANDEM_DEVICE", "cpu"), help="cpu or cuda")
         sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        sp.add_argument(
+            "--speculative-config",
+            default=None,
+            metavar="JSON",
+            help='the engine\'s speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+            "(docs/speculative.md; default: off)",
+        )
         sp.add_argument(
             "--engine-arg",
             action="append",

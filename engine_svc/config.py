@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from engine_svc.sched.spec import SpeculativeConfig
 from tandem_common.flags import (
     HelpFormatter,
     add_observability_flags,
@@ -51,6 +52,7 @@ class EngineConfig:
     seed: int = 0
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -142,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds after it arrived fails with RESOURCE_EXHAUSTED",
     )
 
+    sp = p.add_argument_group("speculative decoding (docs/speculative.md)")
+    sp.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='draft tokens verified in one step, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'; greedy and seeded outputs stay the same, '
+        "sampled ones keep their distribution (default: off)",
+    )
+
     s = p.add_argument_group("scheduler and KV cache")
     s.add_argument("--max-num-seqs", type=int_in(1), default=d.max_num_seqs, help="most requests running at once")
     s.add_argument(
@@ -222,3 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_observability_flags(p, log_level=d.log_level, log_format=d.log_format)
     return p
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -27,6 +27,7 @@ from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.kv_events import KvEventLog
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler, SchedulerObserver
+from engine_svc.sched.spec import Speculator
 from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 from tandem_common.block_hash import BlockHash
 from tandem_common.kv_events import KvEvent
@@ -88,6 +89,11 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
+            speculator=(
+                None
+                if config.speculative_config is None
+                else Speculator(config.speculative_config, max_model_len=self.max_model_len)
+            ),
         )
         self.limits = AdmissionLimits(
             self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
@@ -225,6 +231,7 @@ class EngineCore:
             draining=self.draining,
             step=step,
             structured=self.structured.stats(),
+            spec_decode=None if sched.speculator is None else sched.speculator.stats.snapshot(),
         )
 
     def warmup(self) -> None:

@@ -23,12 +23,22 @@ class ScheduledRequest:
     The runner computes tokens ``request.all_token_ids[start:start + num_new_tokens]``
     where ``start = request.num_computed_tokens`` (not yet advanced: the scheduler moves
     it forward in ``update_from_output``). ``block_ids`` is the request's whole block
-    table, already long enough for ``start + num_new_tokens`` tokens.
+    table, already long enough for ``start + num_new_tokens`` tokens plus the drafts.
+
+    ``draft_token_ids`` (speculative decoding, ``sched/spec.py``) are guesses of the
+    tokens after the request's last one: the runner computes them as rows after the real
+    ones and verifies them; only a chunk that reaches the end (``needs_sample``) has any.
     """
 
     request: RequestView
     num_new_tokens: int
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Rows this request takes in the step: its new tokens and its drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
 
     @property
     def start(self) -> int:
@@ -52,7 +62,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -63,10 +73,17 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """Per request id: the sampled token (only for requests with ``needs_sample``),
     its logprobs when asked, prompt logprobs for the positions computed this step, and
-    errors."""
+    errors.
+
+    A request scheduled with drafts gets ``spec_token_ids`` instead: the drafts verification
+    accepted, then the token sampled after them (so at least one token), with one entry of
+    ``spec_logprobs`` per token when logprobs are asked.
+    """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprob] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     # Requests the runner could not serve (an output constraint that failed mid-way): the
     # scheduler finishes them with this error instead of keeping a token.
@@ -105,6 +122,25 @@ class StructuredStats:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding since the engine started, as totals (``engine_svc/sched/spec.py``)."""
+
+    num_drafts: int = 0  # verifications of at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose position i was accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: the accepted drafts plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The engine's state after one turn of its loop, as other threads may read it.
 
@@ -125,6 +161,7 @@ class EngineStats:
     draining: bool = False
     step: StepStats | None = None  # None when the turn ran no step
     structured: StructuredStats = StructuredStats()
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
 
 @dataclass(frozen=True)

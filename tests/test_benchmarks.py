@@ -304,3 +304,23 @@ def test_capacity_http_compares_the_two_faces(tmp_path):
     (point,) = report["points"]["default+http"]["1"]
     assert point["tok_per_s"] > 0 and point["errors"] == [] and not _holes(point)
     assert report["ratios"]["1"]["top_rate_http_over_grpc_default"] > 0
+
+
+def test_spec_figures(demo_model_dir, tmp_path):
+    """benchmarks.spec on the demo model: both arms measured at every point, with acceptance."""
+    from benchmarks import spec
+
+    out = tmp_path / "spec.json"
+    argv = ["--model", str(demo_model_dir), "--concurrency", "1", "2", "--num-requests", "2", "--max-tokens", "6"]
+    assert spec.main([*argv, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["workload"], r["concurrency"]) for r in results] == [
+        ("copy_heavy", 1),
+        ("copy_heavy", 2),
+        ("open_chat", 1),
+        ("open_chat", 2),
+    ]
+    for r in results:
+        assert r["off"]["output_tok_per_s"] > 0 and r["on"]["output_tok_per_s"] > 0 and r["speedup"] > 0
+        assert r["on"]["num_output_tokens"] == r["off"]["num_output_tokens"]  # greedy: the same tokens
+        assert 0.0 <= r["acceptance_rate"] <= 1.0

@@ -47,5 +47,5 @@ def logits_rows(batch: list[ScheduledRequest]) -> tuple[list[int], list[RequestV
                 rows = list(range(row + lo - start, row + hi - start))
                 targets = list(request.prompt_token_ids[lo + 1 : hi + 1])
                 jobs.append(PromptLogprobJob(request.request_id, rows, targets, num_top))
-        row += n
+        row += s.num_scheduled_tokens  # draft rows follow; engine_svc/model/spec/ picks them
     return sample_rows, sample_requests, jobs

@@ -3,6 +3,8 @@
     SchedulerOutput ─▶ flatten tokens (decodes first, sorted by context) ─▶ input ids,
     positions, AttentionMetadata ─▶ model ─▶ hidden [num_tokens, hidden]
     ─▶ pick rows that need logits ─▶ lm_head ─▶ float32 ─▶ sampler ─▶ ModelRunnerOutput
+    (draft tokens, when the scheduler sent some, are rows after their request's real ones
+    and are verified in the same sampler call: ``engine_svc/model/spec/``)
 
 Only the rows that need logits go through the LM head: the last row of each request whose
 chunk reaches its end (``needs_sample``) and the prompt rows whose prompt logprobs are
@@ -35,6 +37,7 @@ from engine_svc.model.loader import load_model, read_config, read_special_token_
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
+from engine_svc.model.spec import VerifyRows
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import SamplingParams
@@ -196,8 +199,8 @@ class ModelRunner:
         # The batch order is the runner's alone (outputs are keyed by request id): decodes
         # first, sorted by context length so that neighbours in a decode group pad little,
         # then prefill chunks.
-        decodes = sorted((s for s in scheduler_output.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
-        chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
+        decodes = sorted((s for s in scheduler_output.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.start)
+        chunks = [s for s in scheduler_output.scheduled if s.num_scheduled_tokens != 1]
         batch = decodes + chunks
 
         t0 = time.perf_counter()
@@ -205,16 +208,15 @@ class ModelRunner:
             self.threads.before_step(scheduler_output.num_tokens)
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
+        # Each request with drafts samples at its last real row and at every draft row.
+        verify = VerifyRows.of(batch, sample_rows, sample_requests, self.sampler.state.grammars.num_valid_drafts)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-            if sample_rows:
-                logits = self._logits(hidden, sample_rows)  # [num_sampled, vocab] float32
-                sampled = self.sampler.sample(logits, sample_requests)
+            if verify.rows:
+                logits = self._logits(hidden, verify.rows)  # [num_sampled, vocab] float32
+                sampled = self.sampler.sample(logits, verify.views)
                 output.errors.update(sampled.errors)
-                for request, token_id, logprob in zip(sample_requests, sampled.token_ids, sampled.logprobs):
-                    output.sampled_token_ids[request.request_id] = token_id
-                    if logprob is not None:
-                        output.logprobs[request.request_id] = logprob
+                verify.accept(sampled, output)
             for job in logprob_jobs:
                 entries = output.prompt_logprobs[job.request_id] = []
                 # Chunked: a long prompt's logits would be [prompt_len, vocab] float32 at once.
@@ -232,11 +234,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index)).float()
 
     def _prepare_inputs(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        query_lens = [s.num_new_tokens for s in batch]
+        query_lens = [s.num_scheduled_tokens for s in batch]
         starts = [s.start for s in batch]
         token_ids: list[int] = []
-        for s, start, n in zip(batch, starts, query_lens):
-            token_ids += s.request.all_token_ids[start : start + n]
+        for s, start in zip(batch, starts):
+            token_ids += s.request.all_token_ids[start : start + s.num_new_tokens]
+            token_ids += s.draft_token_ids
         positions = flat_positions(query_lens, starts)  # [num_tokens], CPU
         meta = AttentionMetadata.build(
             query_lens,
@@ -292,7 +295,7 @@ class StepWork:
     def of(self, batch: list[ScheduledRequest]) -> float:
         tokens = pairs = 0
         for s in batch:
-            n = s.num_new_tokens
+            n = s.num_scheduled_tokens
             tokens += n
             pairs += n * (2 * s.start + n + 1) // 2
         return float(tokens * self.per_token + pairs * self.per_pair)

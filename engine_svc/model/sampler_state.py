@@ -63,14 +63,26 @@ class TokenCounts:
         self._free_slots: list[int] = []
 
     def gather(self, requests: Sequence[RequestView]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bring each request's row up to date; returns ([R, vocab] bool, [R, vocab] float32)."""
+        """Bring each request's row up to date; returns ([R, vocab] bool, [R, vocab] float32).
+
+        A draft row (a view with ``draft_base`` and ``draft_token_ids``, speculative
+        decoding) reads its request's row plus its drafts, added to the returned copy
+        only: the pooled counts follow the request's own output tokens, so a rejected
+        draft leaves nothing to roll back.
+        """
         slots: list[int] = []
         fresh: list[int] = []
         prompt_rows: list[int] = []
         prompt_cols: list[int] = []
         out_rows: list[int] = []
         out_cols: list[int] = []
-        for r in requests:
+        draft_rows: list[int] = []
+        draft_cols: list[int] = []
+        for j, view in enumerate(requests):
+            r = getattr(view, "draft_base", view)
+            drafts = [t for t in getattr(view, "draft_token_ids", ()) if 0 <= t < self.vocab_size]
+            draft_rows += [j] * len(drafts)
+            draft_cols += drafts
             entry = self._slots.get(r.request_id)
             if entry is None or entry.owner is not r:  # new, or the id now names another request
                 if entry is not None:
@@ -98,7 +110,13 @@ class TokenCounts:
             ones = torch.ones(len(out_rows), dtype=torch.float32, device=self.device)
             self.output_counts.index_put_(cells, ones, accumulate=True)
         rows = to_device(slots, torch.long, self.device)
-        return self.prompt_mask[rows], self.output_counts[rows]
+        counts = self.output_counts[rows]  # [R, vocab], a copy
+        if draft_rows:
+            cells = (to_device(draft_rows, torch.long, self.device), to_device(draft_cols, torch.long, self.device))
+            counts.index_put_(
+                cells, torch.ones(len(draft_rows), dtype=torch.float32, device=self.device), accumulate=True
+            )
+        return self.prompt_mask[rows], counts
 
     def forget(self, request_id: str) -> None:
         entry = self._slots.pop(request_id, None)
@@ -139,7 +157,9 @@ class SamplerState:
 
         A request may carry thousands of stop token ids and bias entries; building them per
         step would cost every other request in the batch that much host time per token.
+        A draft row's view shares its request's tensors (they do not depend on outputs).
         """
+        request = getattr(request, "draft_base", request)
         entry = self._tensors.get(request.request_id)
         if entry is None or entry.owner is not request:  # new, or the id now names another request
             entry = self._tensors[request.request_id] = self._build_tensors(request)

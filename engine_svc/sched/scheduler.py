@@ -14,6 +14,11 @@ usually stay in the prefix cache, so the recompute is mostly hits.
 A paused request (``pause_requests``: its client cannot keep up with its output) is
 taken out of both queues the same way, blocks given back, and parked in ``paused``
 until ``resume_requests`` puts it back in the waiting queue; ``schedule()`` never sees it.
+
+With a ``Speculator`` (``sched/spec.py``), a decoding request may also get draft tokens:
+their KV slots are reserved with its real token (and are the first thing given up when
+blocks run out), they take rows of the budget, and ``update_from_output`` moves
+``num_computed_tokens`` past the accepted ones only.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest
 from engine_svc.sched.admission import check_kv_capacity
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
+from engine_svc.sched.spec import Speculator
 from engine_svc.types import ErrorCode, FinishReason, RequestError
 from tandem_common.logs import printable
 
@@ -139,6 +145,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
+        speculator: Speculator | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {sorted(POLICIES)}")
@@ -152,6 +159,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self.observer: SchedulerObserver | None = None
+        self.speculator = speculator  # drafts for decoding requests; None: no speculation
         # Ids that ended or were preempted since the last schedule(): the runner drops their state.
         self._finished_ids: set[str] = set()
 
@@ -276,18 +284,23 @@ class Scheduler:
             if num_new <= 0:
                 continue
             # Admission made sure the request fits the pool alone, so preempting the others
-            # always makes room, unless the request is itself the victim first.
-            while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            # always makes room, unless the request is itself the victim first. Its drafts'
+            # slots are not part of that promise: they go first.
+            draft_token_ids = self._drafts(request, num_new, budget)
+            while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new + len(draft_token_ids))) is None:
+                if draft_token_ids:  # the draft slots go before any request is preempted
+                    draft_token_ids = []
+                    continue
                 victim = max(reversed(self.running), key=self.waiting.victim_key)
                 self._preempt(victim)
                 preempted = True
                 if victim.request_id in scheduled:  # give back the share it already got
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                    budget += scheduled.pop(victim.request_id).num_scheduled_tokens
                 if victim is request:
                     break
             if block_ids is not None:
-                scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids)
-                budget -= num_new
+                scheduled[request.request_id] = ScheduledRequest(request, num_new, block_ids, draft_token_ids)
+                budget -= num_new + len(draft_token_ids)
         return list(scheduled.values()), budget, preempted
 
     def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
@@ -339,11 +352,22 @@ class Scheduler:
                     error = RequestError(ErrorCode.INTERNAL, "the model runner produced no token")
                     outputs.append(self._finish_with_error(request, error))
                     continue
-                request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                if (logprob := runner_output.logprobs.get(request_id)) is not None:
-                    logprobs.append(logprob)
-                check_stop(request, self.max_model_len)
+                token_ids = runner_output.spec_token_ids.get(request_id, [token_id])
+                token_logprobs = runner_output.spec_logprobs.get(request_id)
+                if token_logprobs is None:
+                    logprob = runner_output.logprobs.get(request_id)
+                    token_logprobs = [] if logprob is None else [logprob]
+                for i, token_id in enumerate(token_ids):
+                    request.append_output_token(token_id)
+                    new_token_ids.append(token_id)
+                    if i < len(token_logprobs):
+                        logprobs.append(token_logprobs[i])
+                    if check_stop(request, self.max_model_len):
+                        break
+                # Every emitted token but the last is an accepted draft: its K/V is written.
+                request.num_computed_tokens += len(new_token_ids) - 1
+                if s.draft_token_ids and self.speculator is not None:
+                    self.speculator.record(request_id, len(s.draft_token_ids), len(token_ids) - 1)
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
                 self._release(request)
@@ -354,6 +378,12 @@ class Scheduler:
         return outputs
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a request that decodes this step (``sched/spec.py``), or []."""
+        if self.speculator is None or request.num_computed_tokens + num_new != request.num_tokens or num_new != 1:
+            return []
+        return self.speculator.propose(request, len(self.running), budget - num_new)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -405,3 +435,5 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine_svc.outputs import EngineOutput, EngineStats, StructuredStats
+from engine_svc.outputs import EngineOutput, EngineStats, SpecDecodeStats, StructuredStats
 from engine_svc.service.engine_loop import EngineLoop
 from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
@@ -103,6 +103,27 @@ class EngineMetrics(RequestListener):
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.spec_drafts = Counter(
+            "tandem_engine_spec_decode_num_drafts_total", "Verifications of speculative draft tokens", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "tandem_engine_spec_decode_num_draft_tokens_total", "Speculative draft tokens proposed", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "tandem_engine_spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted", registry=r
+        )
+        self.spec_accepted_per_position = Counter(
+            "tandem_engine_spec_decode_num_accepted_tokens_per_pos_total",
+            "Speculative draft tokens accepted, by position in the draft (0 first)",
+            ["position"],
+            registry=r,
+        )
+        self.spec_mean_accepted_length = Gauge(
+            "tandem_engine_spec_decode_mean_accepted_length",
+            "Tokens per verification since start: accepted drafts plus the one sampled after them",
+            registry=r,
+        )
+        self._spec_seen = SpecDecodeStats()
         self._preemptions_seen = 0
         self._structured_seen = StructuredStats()
         self.port = port
@@ -131,6 +152,23 @@ class EngineMetrics(RequestListener):
         if num_generated:
             self.generated.inc(num_generated)
         self._observe_structured(stats.structured)
+        if stats.spec_decode is not None:
+            self._observe_spec_decode(stats.spec_decode)
+
+    def _observe_spec_decode(self, s: SpecDecodeStats) -> None:
+        """Counters from the snapshot's running totals."""
+        seen = self._spec_seen
+        if s.num_drafts == seen.num_drafts:
+            return
+        self.spec_drafts.inc(s.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(s.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(s.num_accepted_tokens - seen.num_accepted_tokens)
+        before = seen.accepted_per_position
+        for i, n in enumerate(s.accepted_per_position):
+            if n > (before[i] if i < len(before) else 0):
+                self.spec_accepted_per_position.labels(str(i)).inc(n - (before[i] if i < len(before) else 0))
+        self.spec_mean_accepted_length.set(s.mean_accepted_length)
+        self._spec_seen = s
 
     def _observe_structured(self, s: StructuredStats) -> None:
         """Counters from the snapshot's running totals; durations are per snapshot."""

@@ -70,6 +70,14 @@ class Matcher:
         """Advance past ``token_ids``; False (and a sticky error) if the grammar refuses one."""
         return self._m.consume_tokens(list(token_ids))
 
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many leading ``token_ids`` the grammar accepts from here; changes nothing."""
+        return self._m.validate_tokens(list(token_ids))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` consumed (draft tokens that were only tried)."""
+        self._m.rollback(num_tokens)
+
     def is_stopped(self) -> bool:
         """Nothing but EOS may follow (the grammar is complete and cannot go on)."""
         return self._m.is_stopped()

@@ -45,35 +45,61 @@ class GrammarMasks:
         self._states: dict[str, _State] = {}
 
     def batch_mask(self, requests: Sequence[RequestView]) -> BatchMask | None:
-        """Masks for the rows whose request has a grammar; None when no row has one."""
+        """Masks for the rows whose request has a grammar; None when no row has one.
+
+        A draft row (speculative decoding: a view with ``draft_base`` and
+        ``draft_token_ids``, ``engine_svc/model/spec/verify.py``) is masked by its
+        request's matcher advanced through the drafts before it: depth by depth, each
+        matcher consumes one more draft and the rows at that depth are filled; then every
+        matcher rolls back to the request's own output tokens.
+        """
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
-        grammars = [_compiled(requests[i]) for i in rows]
-        matchers = [self._caught_up(requests[i], g) for i, g in zip(rows, grammars)]
+        bases = [_base(requests[i]) for i in rows]
+        grammars = [_compiled(b) for b in bases]
+        matchers = [self._caught_up(b, g) for b, g in zip(bases, grammars)]
+        depths = [len(_drafts(requests[i])) for i in rows]
         bitmask = np.zeros((len(rows), (grammars[0].vocab_size + 31) // 32), dtype=np.int32)
         # A request's first mask is its grammar's, computed at compile time, off this thread.
-        fresh = [j for j, i in enumerate(rows) if self._states[requests[i].request_id].num_consumed == 0]
+        fresh = {j for j, b in enumerate(bases) if depths[j] == 0 and self._states[b.request_id].num_consumed == 0}
         for j in fresh:
             bitmask[j] = grammars[j].first_mask
-        fresh_rows = set(fresh)
-        fill_bitmasks([(m, j) for j, m in enumerate(matchers) if j not in fresh_rows], bitmask)
         errors = {}
+        messages: dict[str, str] = {}
         for j, (i, m) in enumerate(zip(rows, matchers)):
-            if message := m.error():
+            if depths[j] == 0 and (message := m.error()):
                 # The row's token is dropped with the request; any token keeps the math finite.
                 errors[requests[i].request_id] = RequestError(
                     ErrorCode.INVALID_ARGUMENT,
                     f"the output constraint failed after {requests[i].num_output_tokens} tokens: {message.strip()}",
                     "sampling_params.constraint",
                 )
+                messages[requests[i].request_id] = message.strip()
+        num_tried: dict[int, tuple[Matcher, int]] = {}  # id(matcher) -> (matcher, drafts consumed)
+        for depth in range(max(depths) + 1):
+            at_depth = [j for j, d in enumerate(depths) if d == depth and j not in fresh]
+            for j in at_depth:
+                m = matchers[j]
+                if depth > 0 and num_tried.get(id(m), (m, 0))[1] < depth:
+                    m.consume(_drafts(requests[rows[j]])[depth - 1 : depth])  # valid: cut before verification
+                    num_tried[id(m)] = (m, depth)
+            fill_bitmasks([(matchers[j], j) for j in at_depth], bitmask)
+        for m, n in num_tried.values():
+            m.rollback(n)
+        for j, i in enumerate(rows):
+            if (failure := messages.get(requests[i].request_id)) is not None:
                 bitmask[j] = -1
                 # Its tokens all came from its masks, so the grammar, not the output, is at
                 # fault (a limit hit): later requests for it fail before they start.
-                grammars[j].failure = grammars[j].failure or message.strip()
+                grammars[j].failure = grammars[j].failure or failure
         allowed = self._unpack(bitmask)  # [C, vocab]
         self._hold_back(allowed, [requests[i] for i in rows])
         return BatchMask(rows, allowed, errors)
+
+    def num_valid_drafts(self, request: RequestView, draft_token_ids: Sequence[int]) -> int:
+        """How many leading drafts ``request``'s grammar allows after its output tokens."""
+        return self._caught_up(request, _compiled(request)).num_valid(draft_token_ids)
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -124,6 +150,15 @@ class GrammarMasks:
         allowed[index] = False
         has_other = allowed.any(dim=-1)  # [C]
         allowed[index] = was_allowed & ~has_other[index[0]]
+
+
+def _base(request: RequestView) -> RequestView:
+    """The request a draft row's view stands for (itself for a real row)."""
+    return getattr(request, "draft_base", request)
+
+
+def _drafts(request: RequestView) -> Sequence[int]:
+    return getattr(request, "draft_token_ids", ())
 
 
 def _compiled(request: RequestView) -> CompiledGrammar:

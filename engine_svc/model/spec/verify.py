@@ -1,0 +1,169 @@
+"""Verification of draft tokens: one sampler call over every row that needs a token.
+
+    request with drafts d0..d(k-1), its last real token t at position p:
+
+    rows      p       p+1     ...   p+k          (computed in this step, causal)
+    input     t       d0      ...   d(k-1)
+    view      out     out+d0  ...   out+d0..d(k-1)   (output tokens the sampler sees)
+    sampled   s0      s1      ...   sk
+    accept    s0 == d0, s1 == d1, ... while equal; emit s0..sa (a = accepted drafts)
+
+Row j is sampled as the request's next token would be after drafts d0..d(j-1): its
+``PositionView`` shows them as output tokens, so min_tokens, seeded generators (re-seeded
+from the output position), logit_bias, temperature, top-k/p and min-p act on each row as
+they would without speculation. Accepting while the sampled token equals the draft is
+rejection sampling for a one-hot draft (Leviathan et al.): draft d is accepted with
+probability p(d), and on rejection the token is drawn from p with d excluded, which is
+norm(max(p - onehot(d), 0)). Every emitted token is therefore distributed (and, for a
+greedy or seeded row, chosen) exactly as without drafts; the token after the last
+accepted draft is the normal sampler's. Logprobs come from each row's raw logits, as
+without drafts. A constrained request's drafts are cut where its grammar forbids one, and
+its draft rows are masked by its matcher advanced through the drafts before them
+(``model/structured/masks.py``), which then rolls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine_svc.model.sampler import SamplerOutput
+from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest
+from engine_svc.types import Logprob, RequestView, SamplingParams
+
+
+class PositionView:
+    """``request`` as the sampler sees it at a draft row: ``draft_token_ids`` appended
+    to its output tokens. Read-only, like every ``RequestView``."""
+
+    __slots__ = ("_request", "_drafts")
+
+    def __init__(self, request: RequestView, draft_token_ids: Sequence[int]) -> None:
+        self._request = request
+        self._drafts = list(draft_token_ids)
+
+    @property
+    def draft_base(self) -> RequestView:
+        """The request this row belongs to (the grammar stage advances its matcher)."""
+        return self._request
+
+    @property
+    def draft_token_ids(self) -> Sequence[int]:
+        """The drafts before this row."""
+        return self._drafts
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self._request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return list(self._request.output_token_ids) + self._drafts
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        return list(self._request.all_token_ids) + self._drafts
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self._request.sampling_params
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._request.eos_token_ids
+
+    @property
+    def grammar(self) -> object | None:
+        return self._request.grammar
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._request.num_computed_tokens + len(self._drafts)
+
+    @property
+    def num_prompt_logprobs_done(self) -> int:
+        return self._request.num_prompt_logprobs_done
+
+    @property
+    def num_tokens(self) -> int:
+        return self._request.num_tokens + len(self._drafts)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._request.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._request.num_output_tokens + len(self._drafts)
+
+
+@dataclass
+class _Group:
+    request: RequestView
+    first: int  # index of its first row in VerifyRows.rows
+    draft_token_ids: list[int]
+
+
+@dataclass
+class VerifyRows:
+    """The rows to sample this step, with the view each is sampled under, and the
+    requests they belong to (one row each, 1 + k for a request with k drafts)."""
+
+    rows: list[int]
+    views: list[RequestView]
+    groups: list[_Group]
+
+    @classmethod
+    def of(
+        cls,
+        batch: list[ScheduledRequest],
+        sample_rows: list[int],
+        sample_requests: list[RequestView],
+        num_valid_drafts: Callable[[RequestView, list[int]], int],
+    ) -> VerifyRows:
+        """``sample_rows``/``sample_requests`` from ``logits_rows`` (one row per request
+        that samples: its last real row; its drafts' rows follow it in the batch).
+
+        A constrained request's drafts are cut at the first one its grammar forbids
+        (``num_valid_drafts``): the rows after it are computed but never sampled, and
+        count as rejected.
+        """
+        drafts = {s.request.request_id: s.draft_token_ids for s in batch if s.draft_token_ids}
+        rows: list[int] = []
+        views: list[RequestView] = []
+        groups: list[_Group] = []
+        for row, request in zip(sample_rows, sample_requests):
+            draft_token_ids = drafts.get(request.request_id, [])
+            if draft_token_ids and request.grammar is not None:
+                draft_token_ids = draft_token_ids[: num_valid_drafts(request, draft_token_ids)]
+            groups.append(_Group(request, len(rows), draft_token_ids))
+            rows.append(row)
+            views.append(request)
+            for j in range(1, len(draft_token_ids) + 1):
+                rows.append(row + j)
+                views.append(PositionView(request, draft_token_ids[:j]))
+        return cls(rows, views, groups)
+
+    def accept(self, sampled: SamplerOutput, output: ModelRunnerOutput) -> None:
+        """Fill ``output`` from the sampled rows: one token per request without drafts,
+        the accepted drafts and the token after them for a request with drafts."""
+        for g in self.groups:
+            request_id = g.request.request_id
+            token_ids = sampled.token_ids[g.first : g.first + 1 + len(g.draft_token_ids)]
+            logprobs = sampled.logprobs[g.first : g.first + 1 + len(g.draft_token_ids)]
+            output.sampled_token_ids[request_id] = token_ids[0]
+            if not g.draft_token_ids:
+                if logprobs[0] is not None:
+                    output.logprobs[request_id] = logprobs[0]
+                continue
+            num_accepted = 0
+            while num_accepted < len(g.draft_token_ids) and token_ids[num_accepted] == g.draft_token_ids[num_accepted]:
+                num_accepted += 1
+            output.spec_token_ids[request_id] = token_ids[: num_accepted + 1]
+            kept: list[Logprob] = [lp for lp in logprobs[: num_accepted + 1] if lp is not None]
+            if kept:
+                output.spec_logprobs[request_id] = kept

@@ -1,0 +1,208 @@
+"""Speculative decoding, the scheduler's side: prompt lookup, the config, the adaptive
+rule, and the scheduler reserving and rolling back draft slots (fake runner outputs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_svc.config import build_parser
+from engine_svc.outputs import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.kv_cache import KVCacheManager
+from engine_svc.sched.request import Request
+from engine_svc.sched.scheduler import Scheduler
+from engine_svc.sched.spec import PROBE_INTERVAL, SpeculativeConfig, Speculator, propose_ngram
+from engine_svc.types import SamplingParams
+from tandem_common.sampling import StructuredOutput
+
+BS = 4
+
+
+def test_prompt_lookup_takes_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 5, 1, 2, 3]
+    # The suffix [1, 2, 3] occurs at 0 and 4; the latest (4) is followed by 8, 7, 5.
+    assert propose_ngram(tokens, 3, 1, 3) == [8, 7, 5]
+    assert propose_ngram(tokens, 10, 1, 3) == [8, 7, 5, 1, 2, 3]
+    # A longer n that matches nowhere falls back to shorter ones.
+    assert propose_ngram([5, 6, 4, 6], 2, 1, 3) == [4, 6]
+    assert propose_ngram([1, 2, 3, 4], 2, 1, 3) == []
+    assert propose_ngram([1, 2, 3, 4], 2, 2, 3) == []
+    assert propose_ngram([7], 2, 1, 3) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("not json", "is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"method": "eagle"}', "method 'eagle' is not supported"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+        ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min (4) exceeds"),
+        ('{"k": 3}', "unknown key(s) ['k']"),
+        ('{"min_acceptance": 2}', "min_acceptance must be in [0, 1]"),
+    ],
+)
+def test_bad_config_names_what_to_fix(text, fragment):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.from_json(text)
+    assert fragment in str(e.value)
+
+
+def test_flag_parses_and_refuses(capsys):
+    args = build_parser().parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    assert build_parser().parse_args([]).speculative_config is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--speculative-config", '{"method": "x"}'])
+    assert "method 'x' is not supported" in capsys.readouterr().err
+
+
+def make_request(request_id: str, prompt: list[int], **params) -> Request:
+    return Request(request_id, prompt, SamplingParams(**{"max_tokens": 32, **params}), eos_token_ids=(0,))
+
+
+COPY = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11]  # its suffix [10, 11] is followed by 12, 13, ...
+
+
+def test_adaptive_rule():
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=2), max_model_len=64)
+    r = make_request("a", COPY)
+    assert spec.propose(r, num_running=1, num_budget_left=100) == [12, 13, 14, 15]
+    assert spec.propose(r, num_running=3, num_budget_left=100) == []  # batch too large
+    assert spec.propose(r, num_running=1, num_budget_left=2) == [12, 13]  # the budget caps it
+    assert spec.propose(make_request("b", COPY, max_tokens=3), 1, 100) == [12, 13]  # the bonus token fits
+    assert spec.propose(make_request("c", COPY, repetition_penalty=1.2), 1, 100) == [12, 13, 14, 15]
+    json_only = StructuredOutput(kind="json_object")
+    assert spec.propose(make_request("d", COPY, structured=json_only), 1, 100) == [12, 13, 14, 15]
+    # Acceptance falls: the draft shrinks, then stops, with a one-token probe now and then.
+    spec.record("a", 4, 0)
+    assert len(spec.propose(r, 1, 100)) == 3
+    for _ in range(8):
+        spec.record("a", 4, 0)
+    proposals = [spec.propose(r, 1, 100) for _ in range(PROBE_INTERVAL)]
+    assert proposals[:-1] == [[]] * (PROBE_INTERVAL - 1) and proposals[-1] == [12]
+    stats = spec.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (9, 36, 0)
+    spec.record("a", 4, 3)
+    assert stats.accepted_per_position == [1, 1, 1, 0]
+    assert stats.mean_accepted_length == pytest.approx(1 + 3 / 10)
+
+
+def make_scheduler(num_blocks=64, budget=64, **config) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, BS),
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=256,
+        speculator=Speculator(SpeculativeConfig(**config), max_model_len=256),
+    )
+
+
+def runner_output(out: SchedulerOutput, tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+    """What a runner would return: ``tokens`` for the requests with drafts, 99 otherwise."""
+    result = ModelRunnerOutput()
+    for s in out.scheduled:
+        if s.needs_sample:
+            rid = s.request.request_id
+            result.sampled_token_ids[rid] = tokens.get(rid, [99])[0]
+            if s.draft_token_ids:
+                result.spec_token_ids[rid] = tokens[rid]
+    return result
+
+
+def test_draft_slots_reserved_and_rolled_back():
+    sched = make_scheduler(num_speculative_tokens=4)
+    r = make_request("a", COPY)  # 10 tokens: blocks [0..3] [4..7] [8, 9]
+    sched.add_request(r)
+    out = sched.schedule()  # the prefill: no drafts
+    assert [s.draft_token_ids for s in out.scheduled] == [[]]
+    sched.update_from_output(out, runner_output(out, {}))  # emits 99: no match any more
+    assert r.all_token_ids[-1] == 99 and r.num_computed_tokens == 10
+    r.all_token_ids[-1] = r.output_token_ids[-1] = 11  # make the suffix copy again: [.., 10, 11, 11]
+    r.all_token_ids[-2] = 10
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.num_new_tokens == 1 and s.draft_token_ids == [12, 13, 14, 15]
+    assert out.num_tokens == 5 and len(s.block_ids) == 4  # slots for 11 + 4 drafts: positions up to 14
+    # Two drafts accepted, then 50 instead of 14: three tokens out, num_computed moves 1 + 2.
+    outputs = sched.update_from_output(out, runner_output(out, {"a": [12, 13, 50]}))
+    assert outputs[0].new_token_ids == [12, 13, 50]
+    assert r.num_computed_tokens == 13 and r.num_tokens == 14
+    # Only blocks whose tokens are committed are hashed: [0..3], [4..7], [8..11]; not [12..].
+    kv = sched.kv_cache_manager
+    assert [kv.blocks[b].block_hash is not None for b in s.block_ids] == [True, True, True, False]
+    assert sched.speculator is not None and sched.speculator.stats.num_accepted_tokens == 2
+
+
+def test_stop_inside_the_accepted_drafts_ends_there():
+    sched = make_scheduler(num_speculative_tokens=4)
+    r = make_request("a", [5, 6, 7, 5, 6], stop_token_ids=[8])
+    r.all_token_ids = [5, 6, 7, 5, 6]
+    sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output(out, {}))
+    r.all_token_ids[-1] = r.output_token_ids[-1] = 7  # [5, 6, 7, 5, 6, 7]: drafts 5, 6, 7
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [5, 6, 7]
+    (o,) = sched.update_from_output(out, runner_output(out, {"a": [5, 8, 3, 4]}))
+    assert o.new_token_ids == [5, 8] and o.stop_token_id == 8 and r.is_finished
+
+
+def test_drafts_give_way_before_preemption_and_respect_the_budget():
+    # 4 blocks of 4: "a" holds 3 blocks (11 tokens + 1 output), "b" holds 1 block.
+    sched = make_scheduler(num_blocks=4, num_speculative_tokens=4)
+    a = make_request("a", COPY + [12], max_tokens=4)
+    b = make_request("b", [1, 2], max_tokens=4)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output(out, {}))
+    a.all_token_ids[-1] = a.output_token_ids[-1] = 13  # suffix [12, 13] -> drafts 14, 15 (max_tokens)
+    out = sched.schedule()
+    # Drafts would need a 4th block for "a" (positions 12, 13); none is free, so "a"
+    # decodes without them, and nobody is preempted for a draft.
+    assert {s.request.request_id: s.draft_token_ids for s in out.scheduled} == {"a": [], "b": []}
+    assert sched.num_preemptions == 0
+
+    tight = make_scheduler(budget=3, num_speculative_tokens=4)
+    c = make_request("c", COPY)
+    tight.add_request(c)
+    for _ in range(3):  # the prompt's first 9 tokens, in chunks of 3
+        out = tight.schedule()
+        assert [s.draft_token_ids for s in out.scheduled] == [[]]
+        tight.update_from_output(out, runner_output(out, {}))
+    # The last prompt token reaches the end: it may carry drafts, as many as the budget leaves.
+    out = tight.schedule()
+    assert out.scheduled[0].draft_token_ids == [12, 13] and out.num_tokens == 3
+
+
+def test_draft_rows_sample_as_if_the_drafts_were_output(monkeypatch):
+    """A draft row's view shows the earlier drafts as output tokens to every stage:
+    penalties (presence, frequency, repetition), min_tokens and logprobs, against a
+    request that really holds those tokens, on the same logits."""
+    import torch
+
+    from engine_svc.model.sampler import Sampler
+    from engine_svc.model.spec import PositionView
+
+    vocab = 16
+    logits = torch.zeros(1, vocab)
+    logits[0, 5] = 1.0  # the best token, unless a penalty or a rule pushes it down
+    logits[0, 6] = 0.9
+    for params in (
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.5),
+        dict(repetition_penalty=2.0),
+        dict(min_tokens=3, stop_token_ids=[5]),
+    ):
+        base = Request("r", [1, 2], SamplingParams(temperature=0.0, **params), eos_token_ids=(0,))
+        base.append_output_token(3)
+        view = PositionView(base, [5, 4])
+        real = Request("r", [1, 2], SamplingParams(temperature=0.0, **params), eos_token_ids=(0,))
+        for t in (3, 5, 4):
+            real.append_output_token(t)
+        got = Sampler(vocab, "cpu").sample(logits.repeat(2, 1), [base, view])
+        want = Sampler(vocab, "cpu").sample(logits, [real])
+        if "min_tokens" in params:  # 3 outputs with the drafts: the stop token is free again
+            assert (got.token_ids, want.token_ids) == ([6, 5], [5]), params
+        else:  # 5 is penalised where the drafts count, not in the base row
+            assert (got.token_ids, want.token_ids) == ([5, 6], [6]), params
