@@ -67,7 +67,7 @@ class ModelRunner:
         quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = self._resolve_dtype(dtype, model_dir, quantization)
         self.model, self.model_args, backend = self._load_model(model_dir, kernels, batch_size_hint, quantization)
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
@@ -104,6 +104,17 @@ class ModelRunner:
             prequantized=prequantized,
         )
         return model, args, backend
+
+    def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:
+        """``--dtype``; ``auto`` on a GGUF file whose quantized layers stay quantized is float32:
+        the quantized GEMM computes in float32 whatever the activations' dtype, so bfloat16
+        would only round them (enough, on SmolLM2, to turn a near tie of its first answer
+        token the wrong way)."""
+        if dtype == "auto" and self.device.type == "cpu" and quantization in (None, "auto"):
+            if gguf_source(model_dir) is not None:
+                logger.info("dtype auto: float32, because a GGUF file's quantized layers compute in float32")
+                return torch.float32
+        return resolve_dtype(dtype, self.device)
 
     @staticmethod
     def _gguf_quantized(
