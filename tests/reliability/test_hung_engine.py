@@ -54,7 +54,7 @@ async def test_a_hung_engine_fails_or_moves_its_calls_in_bounded_time(demo_model
             )
             for r in short:
                 assert r.code == grpc.StatusCode.OK and len(r.token_ids) == 8, r
-            assert "trying another engine" in frontend.log()
+            assert "trying another engine" in frontend.log(), frontend.log()[-3000:]
 
             # The hung engine's streaming calls end UNAVAILABLE, saying why; the others go on
             # (still streaming, or finished whole where the healthy engine is fast enough).
