@@ -55,6 +55,8 @@ def engine_args(args) -> list[str]:
         str(args.max_num_batched_tokens),
         "--kv-cache-bytes",
         str(args.kv_cache_bytes),
+        "--quantization",
+        args.quantization,
     ]
 
 
@@ -167,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="the engine's --quantization (auto: a GGUF's quantized tensors stay quantized)",
+    )
     p.add_argument(
         "--constraint",
         default=None,
