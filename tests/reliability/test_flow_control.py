@@ -101,9 +101,9 @@ async def test_a_slow_reader_sees_its_engine_die_within_seconds(demo_model_dir, 
     engine = procs(start_engine(demo_model_dir, "--num-kv-blocks", "256")).wait_serving()
     frontend = procs(start_frontend(engine.address)).wait_serving()
     async with grpc.aio.insecure_channel(frontend.address, options=SMALL_WINDOW) as channel:
-        call = stub_of(channel).Generate(heavy(max_tokens=1500, n=1))
+        call = stub_of(channel).Generate(heavy(max_tokens=1900, n=1))
         await asyncio.wait_for(call.read(), 60)
-        await asyncio.sleep(2.0)  # not reading: the window fills, the output waits merged
+        await asyncio.sleep(0.5)  # not reading: the window fills, the output waits merged (the engine is not done)
         engine.kill()
         killed_at = time.monotonic()
         code, details, _ = await read_rest(call, delay_s=0.005)  # still a slow reader

@@ -230,9 +230,10 @@ async def test_killed_engine_of_two_fails_its_calls_and_is_used_again_after_rest
         assert on_doomed >= 1
         doomed.kill()
         codes = await asyncio.gather(*(_end_code(c, timeout=5.0) for c in calls))
-        # Calls on the killed engine end UNAVAILABLE; the others stream on.
+        # Calls on the killed engine end UNAVAILABLE; the others stream on (or have finished
+        # whole, where the other engine is fast enough).
         assert codes.count(grpc.StatusCode.UNAVAILABLE) == on_doomed, codes
-        assert codes.count(None) == len(calls) - on_doomed, codes
+        assert codes.count(None) + codes.count(grpc.StatusCode.OK) == len(calls) - on_doomed, codes
         for c in calls:
             c.cancel()
         for i in range(4):
