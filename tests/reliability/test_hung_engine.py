@@ -54,7 +54,12 @@ async def test_a_hung_engine_fails_or_moves_its_calls_in_bounded_time(demo_model
             )
             for r in short:
                 assert r.code == grpc.StatusCode.OK and len(r.token_ids) == 8, r
-            assert "trying another engine" in frontend.log(), frontend.log()[-3000:]
+            # A short call the router sent to the hung engine is retried on the healthy one; on a
+            # fast machine the healthy engine's long calls are so far ahead that it takes every
+            # short call (least outstanding work), and then every one says so in its log line.
+            log = frontend.log()
+            if "trying another engine" not in log:
+                assert log.count(f"engine={healthy.address} ") >= len(short), log[-3000:]
 
             # The hung engine's streaming calls end UNAVAILABLE, saying why; the others go on
             # (still streaming, or finished whole where the healthy engine is fast enough).
