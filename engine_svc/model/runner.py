@@ -30,6 +30,7 @@ from engine_svc.model.args import ModelArgs
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
 from engine_svc.model.gguf_checkpoint import gguf_source
+from engine_svc.model.gguf_metadata import close_gguf
 from engine_svc.model.gguf_quantized import read_quantized_linears
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import Transformer
@@ -103,6 +104,7 @@ class ModelRunner:
             quantization=quantization if quantization in ("int8", "int4") else None,
             prequantized=prequantized,
         )
+        close_gguf()  # every weight is copied out of the file by now
         return model, args, backend
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -95,6 +96,8 @@ def test_the_engine_serves_the_blocks_and_matches_transformers_on_them(checkpoin
                 module.weight.copy_(held[f"{name}.weight"])
     core = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64))
     assert core.runner.matmuls == "gguf"
+    # Loaded, the engine holds no map of the file: its weights were copied out of it.
+    assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
     assert sum(isinstance(m, QuantizedLinear) for m in core.runner.model.modules()) == 8
     prompts = _prompts(5)[::3]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
