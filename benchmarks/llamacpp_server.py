@@ -4,10 +4,11 @@
         server.base_url, server.pid, server.buffers()
 
 llama.cpp is not a dependency of this project: the binary's path comes from the command
-line (benchmarks/README.md says how to build it). The server runs in its own process
-group with its log in a temporary file, so nothing it starts outlives the run and its
-own report of the buffers it allocated can be read back (``buffers()``: MiB per kind, the
-weights as ``model``).
+line (benchmarks/README.md says how to build it). The server runs in a process group of
+its own, so nothing it starts outlives the run, but in this process's session: a session
+of its own would be a scheduler autogroup of its own, at the default share whatever this
+run's priority. Its log goes to a temporary file, so its own report of the buffers it
+allocated can be read back (``buffers()``: MiB per kind, the weights as ``model``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class LlamaServer:
         return parse_buffers(self.log())
 
     def __enter__(self) -> LlamaServer:
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, process_group=0)
         try:
             self._wait_ready()
         except BaseException:
