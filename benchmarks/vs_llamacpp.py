@@ -223,6 +223,23 @@ def memory_summary(rounds: list[dict], baseline: dict | None) -> dict:
     return out
 
 
+def finished(report: dict, cells: list[Cell], rounds: list[dict], baseline: dict | None) -> dict:
+    """The report with the figures of the rounds run so far (the answers' texts left out)."""
+
+    def plain(run: dict) -> dict:
+        cells_ = {name: {k: v for k, v in f.items() if k != "texts"} for name, f in run["cells"].items()}
+        return {**run, "cells": cells_}
+
+    return {
+        **report,
+        "loadavg_end": os.getloadavg(),
+        "summary": summarize(cells, rounds),
+        "memory": memory_summary(rounds, baseline),
+        "tandem_baseline_memory": baseline,
+        "rounds": [{side: plain(run) for side, run in r.items()} for r in rounds],
+    }
+
+
 def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -311,18 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         for side in order:
             print(f"repetition {i + 1}/{args.repetitions}: {side}", file=sys.stderr, flush=True)
             rounds[-1][side] = run_side(side, cells, args, slots, ctx, salt=i + 1)
-    report["loadavg_end"] = os.getloadavg()
-    report["summary"] = summarize(cells, rounds)
-    report["memory"] = memory_summary(rounds, baseline)
-    report["tandem_baseline_memory"] = baseline
-    for r in rounds:
-        for side in r.values():
-            for figures in side["cells"].values():
-                figures.pop("texts", None)
-    report["rounds"] = rounds
-    print_report(report)
+            if args.json:  # after every server's run, so an interrupted run keeps what it measured
+                Path(args.json).write_text(json.dumps(finished(report, cells, rounds, baseline), indent=2))
+    final = finished(report, cells, rounds, baseline)
+    print_report(final)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(final, indent=2))
     return 0
 
 
