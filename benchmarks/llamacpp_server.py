@@ -37,12 +37,14 @@ def free_port() -> int:
 
 def command(binary: str, gguf: str, *, port: int, threads: int, slots: int, ctx: int, extra: list[str]) -> list[str]:
     """The server's command line: ``threads`` for generation and for prompt batches, ``slots``
-    parallel sequences over one unified KV cache of ``ctx`` tokens (a sequence may use any
-    part of it, as in a paged cache), continuous batching (its default), no web UI, and the
-    log's "trace" level, the first that reports the buffers (a few lines per request)."""
+    parallel sequences, each with a KV cache of its own of ``ctx / slots`` tokens (its
+    default with ``--parallel`` given: a unified cache would make every sequence's attention
+    span every cached token of all of them), continuous batching (its default), no web UI,
+    and the log's "trace" level, the first that reports the buffers (a few lines per
+    request)."""
     return [binary, "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
             "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(slots),
-            "--kv-unified", "--ctx-size", str(ctx), "--no-webui", "--log-verbosity", "4", *extra]  # fmt: skip
+            "--ctx-size", str(ctx), "--no-webui", "--log-verbosity", "4", *extra]  # fmt: skip
 
 
 def parse_buffers(log: str) -> dict[str, float]:

@@ -11,8 +11,8 @@ HTTP face, one after the other on free local ports, each driven over loopback by
 client (benchmarks/completions_load.py) with the same JSON bodies: prompts as token ids,
 greedy, ``ignore_eos``, exactly ``max_tokens`` out, not streamed. The thread count is
 the same (``--threads``: llama.cpp's ``--threads``/``--threads-batch``, the engine's
-``--num-threads``); llama.cpp gets one slot per request of the widest cell over a unified
-KV cache that holds that cell whole, Tandem the same ``--max-num-seqs``.
+``--num-threads``); llama.cpp gets one slot per request of the widest cell, each with room
+for the longest request, Tandem the same ``--max-num-seqs``.
 
 Cells (benchmarks/workloads.py draws the ids, seeded; ids < 8192, folded into a smaller
 vocabulary): ``batch1`` (requests one at a time, 32-token prompts, 128 out),
@@ -63,10 +63,9 @@ class Cell:
     concurrency: int
     goal: float | None  # Tandem over llama.cpp, output tokens/s
 
-    def kv_tokens(self) -> int:
-        """KV positions the cell needs at its peak: its widest requests all at full length."""
-        sizes = sorted((len(r["prompt_token_ids"]) + r["max_tokens"] for r in self.requests), reverse=True)
-        return sum(sizes[: self.concurrency])
+    def longest(self) -> int:
+        """KV positions its longest request needs."""
+        return max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in self.requests)
 
 
 def make_cells(names: list[str], batch1_requests: int, vocab_size: int) -> list[Cell]:
@@ -299,10 +298,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def prepare(args) -> tuple[list[Cell], int, int]:
-    """The cells, llama.cpp's slots (= Tandem's --max-num-seqs) and its KV cache's tokens."""
+    """The cells, llama.cpp's slots (= Tandem's --max-num-seqs) and its KV cache's tokens:
+    room for the longest request in every slot."""
     cells = make_cells(args.cells, args.batch1_requests, gguf_vocab_size(args.gguf))
     slots = max(c.concurrency for c in cells)
-    ctx = math.ceil(max(c.kv_tokens() for c in cells) * 1.1 / 1024) * 1024
+    ctx = slots * math.ceil(max(c.longest() for c in cells) / 256) * 256
     return cells, slots, ctx
 
 
