@@ -36,6 +36,7 @@ from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.native_layers import install_native_layers, install_native_linears
 from engine_svc.model.packed_linear import pack_linears, packing_supported
+from engine_svc.model.quantized_embeddings import install_quantized_embeddings
 from engine_svc.model.quantized_layers import install_prequantized_linears, install_quantized_linears
 
 logger = logging.getLogger(__name__)
@@ -110,13 +111,15 @@ def install_backend(
     batch_size_hint: int,
     quantization: str | None = None,
     prequantized: dict[str, QuantizedWeight] | None = None,
+    quantized_embeddings: dict[str, QuantizedWeight] | None = None,
 ) -> ModelBackend:
     """Swap the model's layers for the chosen backend's, in place; the one place that
     packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
     packed layout is chosen for; ``quantization`` (``--quantization``) keeps the linear
     layers' weights quantized on the native quantized GEMM, the LM head on the backend's;
     ``prequantized`` are quantized weights read as they are (a GGUF file's), for the layers
-    they name."""
+    they name; ``quantized_embeddings`` the same file's embedding and LM head blocks
+    (quantized_embeddings.py), beside the float head that wide steps keep."""
     if quantization is not None and kernels is None:
         raise ValueError(
             f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
@@ -136,6 +139,8 @@ def install_backend(
         num_packed = install_native_linears(model, kernels, dtype)
     elif matmuls == "onednn":
         num_packed = pack_linears(model, batch_size_hint)
+    if quantized_embeddings and kernels is not None:
+        install_quantized_embeddings(model, kernels, quantized_embeddings, dtype)
     backend = ModelBackend(
         kernels=kernels,
         matmuls=_QUANTIZED.get(quantization or "", "gguf" if prequantized else matmuls if num_packed else "torch"),

@@ -31,7 +31,7 @@ from engine_svc.model.attention import AttentionMetadata, KVCache, flat_position
 from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.gguf_metadata import close_gguf
-from engine_svc.model.gguf_quantized import read_quantized_linears
+from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quantized_linears
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import load_model, read_config, read_special_token_ids, resolve_dtype
@@ -94,6 +94,8 @@ class ModelRunner:
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
         prequantized = self._gguf_quantized(model_dir, build, quantization)
         model, args = load_model(model_dir, self.device, self.dtype, kept_modules=prequantized or ())
+        gguf_path = gguf_source(model_dir)
+        embeddings = read_quantized_embeddings(gguf_path, args) if prequantized and gguf_path else None
         backend = install_backend(
             model,
             build.result(),
@@ -103,6 +105,7 @@ class ModelRunner:
             batch_size_hint=batch_size_hint,
             quantization=quantization if quantization in ("int8", "int4") else None,
             prequantized=prequantized,
+            quantized_embeddings=embeddings,
         )
         close_gguf()  # every weight is copied out of the file by now
         return model, args, backend
