@@ -78,6 +78,9 @@ class ModelBackend:
     kernels: NativeKernels | None
     matmuls: Matmuls
     native_prefill: bool  # prefill attention on the kernels too (decode is, whenever kernels is set)
+    # Every matmul on the native kernels (the quantized GEMM among them): none splits a sum
+    # across threads, so the thread count changes no result.
+    own_kernels: bool = False
 
     def describe(self) -> str:
         kernels = f"native {self.kernels.isa} build" if self.kernels else "plain PyTorch"
@@ -145,6 +148,7 @@ def install_backend(
         kernels=kernels,
         matmuls=_QUANTIZED.get(quantization or "", "gguf" if prequantized else matmuls if num_packed else "torch"),
         native_prefill=kernels is not None and kernels.supports_prefill_attention(model.args.head_dim),
+        own_kernels=kernels is not None and matmuls == "native",
     )
     if device.type == "cpu":
         logger.info("%s", backend.describe())

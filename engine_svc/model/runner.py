@@ -73,6 +73,7 @@ class ModelRunner:
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
         self.native_prefill = backend.native_prefill
+        self.own_kernels = backend.own_kernels
         self.threads = self._thread_governor()
         self.step_work = StepWork.of_model(self.model_args)
         self.vocab_size = self.model_args.vocab_size
@@ -138,8 +139,9 @@ class ModelRunner:
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
-        depend on it: the native kernels never split a sum across threads."""
-        return ThreadGovernor(torch.get_num_threads()) if self.matmuls == "native" else None
+        depend on it: the native kernels, the quantized GEMM among them, never split a sum
+        across threads."""
+        return ThreadGovernor(torch.get_num_threads()) if self.own_kernels else None
 
     def _resolve_max_model_len(self, max_model_len: int | None) -> int:
         """``--max-model-len``, capped at the model's ``max_position_embeddings``."""
