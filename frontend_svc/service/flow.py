@@ -4,15 +4,13 @@
                                                  or past the client's share: fair_share.py)
              ── call.write(response) ...        (time-stamped while the write waits)
              ── calls.leave(call)
-    sweeper (every second or so) ── a write waiting past --stalled-client-timeout-s ──▶ call.stall()
+    sweeper (every second or so) ── a write waiting past --stalled-client-timeout-s ──▶ call task cancelled
 
-A write to the client waits only once the transport's buffers for the call are full, that
-is when the client has stopped reading (HTTP/2 flow control for gRPC, TCP's for an HTTP
-stream). Past the timeout the call is stopped: a gRPC call's task is cancelled, and the
-servicer sees ``call.stalled``, aborts the engine requests (so the engine stops computing
-for nobody) and ends the call with RESOURCE_EXHAUSTED; an HTTP stream's connection is
-closed (service/http/run.py), which ends it as a disconnect does, told as
-RESOURCE_EXHAUSTED. Nothing here runs per token beyond two clock reads per write.
+A write to the client waits only once gRPC's buffers for the call are full, that is when
+the client has stopped reading (HTTP/2 flow control). Past the timeout the call's task is
+cancelled; the servicer sees ``call.stalled``, aborts the engine requests (so the engine
+stops computing for nobody) and ends the call with RESOURCE_EXHAUSTED. Nothing here runs
+per token beyond two clock reads per write.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import grpc
 
@@ -34,23 +31,13 @@ logger = logging.getLogger(__name__)
 class Call:
     """One Generate call in progress."""
 
-    __slots__ = ("task", "writing_since", "stalled", "client", "on_stall")
+    __slots__ = ("task", "writing_since", "stalled", "client")
 
     def __init__(self, task: asyncio.Task | None, client: str = "") -> None:
         self.task = task
         self.client = client  # who called (fair_share.client_of); "" when shares are off
         self.writing_since = 0.0  # monotonic time a write began; 0 while none waits
-        self.stalled = False  # ended by the sweeper: the client stopped reading
-        # What the sweeper does to a stalled call: cancel its task (gRPC), or what the face
-        # set instead (HTTP: close the connection, which ends the stream as a disconnect does).
-        self.on_stall: Callable[[], None] | None = None
-
-    def stall(self) -> None:
-        self.stalled = True
-        if self.on_stall is not None:
-            self.on_stall()
-        elif self.task is not None:
-            self.task.cancel()
+        self.stalled = False  # cancelled by the sweeper: the client stopped reading
 
     async def write(self, context, response) -> None:
         """Writes ``response``; raises CancelledError when the call is already over."""
@@ -129,8 +116,9 @@ class InFlightCalls:
             now = time.monotonic()
             for call in list(self._calls):
                 since = call.writing_since
-                if since and now - since > self.stalled_timeout_s and not call.stalled:
-                    call.stall()
+                if since and now - since > self.stalled_timeout_s and not call.stalled and call.task is not None:
+                    call.stalled = True
+                    call.task.cancel()
 
     async def close(self) -> None:
         if self._sweeper is not None:

@@ -115,7 +115,7 @@ class HttpFace:
             try:
                 pieces = run.pieces(plan)
                 async with contextlib.aclosing(pieces):
-                    async for piece in sse.with_pings(paced(pieces, self.pacer, run.call)):
+                    async for piece in sse.with_pings(paced(pieces, self.pacer)):
                         yield sse.PING if piece is None else sse.data(answer.chunk(piece, usage=usage))
                 if req.include_usage:
                     yield sse.data(answer.usage_chunk())
@@ -156,7 +156,7 @@ class HttpFace:
                     yield sse.event(name, event)
                 pieces = run.pieces(plan)
                 async with contextlib.aclosing(pieces):
-                    async for piece in sse.with_pings(paced(pieces, self.pacer, run.call)):
+                    async for piece in sse.with_pings(paced(pieces, self.pacer)):
                         if piece is None:
                             yield sse.event("ping", {"type": "ping"})
                             continue

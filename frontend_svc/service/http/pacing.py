@@ -32,7 +32,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from frontend_svc.service.flow import Call
 from frontend_svc.text.output_processor import ChoiceOutput
 
 SHARE_LOW = 0.6  # below it, nothing is held
@@ -98,18 +97,10 @@ class Pacer:
         return MAX_HOLD_S * min(1.0, (share - SHARE_LOW) / (1.0 - SHARE_LOW))
 
 
-async def paced(
-    pieces: AsyncIterator[ChoiceOutput], pacer: Pacer, call: Call | None = None
-) -> AsyncIterator[ChoiceOutput]:
+async def paced(pieces: AsyncIterator[ChoiceOutput], pacer: Pacer) -> AsyncIterator[ChoiceOutput]:
     """``pieces``, each asked for only after the previous one's chunk was written and the
-    call held (a finished choice's piece is not held for: what follows it is the end).
-    The chunk's write is timed on ``call``, as a gRPC write is (flow.py: a client that
-    stops reading is stopped after --stalled-client-timeout-s)."""
+    call held (a finished choice's piece is not held for: what follows it is the end)."""
     async for piece in pieces:
-        if call is not None:
-            call.writing_since = time.monotonic()
         yield piece  # resumed once the piece's chunk was written
-        if call is not None:
-            call.writing_since = 0.0
         if not piece.finished and (hold := pacer.hold()):
             await asyncio.sleep(hold)

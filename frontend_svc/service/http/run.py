@@ -4,8 +4,6 @@
                                  ── pieces(plan) ──▶ ChoiceOutput ...  (Generation.stream: routing, engines, text)
                                  ── end()                            (metrics, span, the request's log line)
     until_disconnect(request, run, collect(...))   a whole answer, cancelled if the client goes away
-    RunStream(content, run, headers)                 an SSE answer; ends the run however it ends, and
-                                                     closes the connection of a client that stopped reading
 
 The figures, span and log line are GenerateStats', as for gRPC: the HTTP request's
 ``traceparent`` header continues the client's trace, and its final state is told with
@@ -27,10 +25,6 @@ from frontend_svc.service.planning import GenerateInput, Plan, RequestSizes, che
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
-
-# The scope key under which the server (server.py) gives a request the means to close its
-# connection at once: ASGI itself has none.
-ABORT_CONNECTION = "tandem.abort_connection"
 
 
 class _CallContext:
@@ -79,19 +73,6 @@ class HttpRun:
     def pieces(self, plan: Plan):
         return self.generation.stream(plan, self.stats)
 
-    @property
-    def call(self) -> Call | None:
-        """The call's entry in the calls in progress (its writes are timed there, flow.py)."""
-        return self._call
-
-    def watch(self, abort_connection) -> None:
-        """A stream's client that stops reading is stopped as a gRPC call's is (flow.py):
-        past --stalled-client-timeout-s its connection is closed (``abort_connection``,
-        from the server: server.py), which ends the stream as a disconnect does and aborts
-        its engine requests; the run ends RESOURCE_EXHAUSTED."""
-        if self._call is not None and abort_connection is not None:
-            self._call.on_stall = abort_connection
-
     def ok(self) -> None:
         self.code, self.message = grpc.StatusCode.OK, ""
 
@@ -105,8 +86,6 @@ class HttpRun:
             return
         self._ended = True
         if self._call is not None:
-            if self._call.stalled:
-                self.code, self.message = grpc.StatusCode.RESOURCE_EXHAUSTED, self.generation.calls.stalled_message()
             self.generation.calls.leave(self._call)
         self.stats.end(self.code, self.message)
 
@@ -183,7 +162,6 @@ class RunStream(StreamingResponse):
         self._content = content  # an async generator
 
     async def __call__(self, scope, receive, send) -> None:
-        self.run.watch(scope.get(ABORT_CONNECTION))
         try:
             await super().__call__(scope, receive, send)
         finally:

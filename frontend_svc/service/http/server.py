@@ -6,9 +6,8 @@
 Never ``uvicorn.run``: it makes a second event loop, and the grpc.aio objects (engine
 streams, the router) can be used only from the loop that made them. uvicorn's own signal
 handling is not installed either: the frontend's handlers decide when to drain. One
-ASGI layer in front of the app checks API keys (every path but /health), counts
-requests by route and status, and hands each request the means to close its connection
-(a stream whose client stopped reading, run.py). Limits: ``max_body_bytes`` per body (413, in app.py),
+ASGI layer in front of the app checks API keys (every path but /health) and counts
+requests by route and status. Limits: ``max_body_bytes`` per body (413, in app.py),
 HTTP_MAX_HEADER_BYTES of request line and headers (h11: 431 beyond), ``max_connections``
 open at once (503 beyond).
 """
@@ -26,7 +25,6 @@ from prometheus_client import Counter
 
 from frontend_svc.service.http import sse
 from frontend_svc.service.http.errors import HttpError
-from frontend_svc.service.http.run import ABORT_CONNECTION
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +75,6 @@ class Guard:
                 status[0] = message["status"]
             await send(message)
 
-        # uvicorn's send is its request cycle's method, and the cycle holds the connection's
-        # transport: a stream whose client stopped reading is ended by closing it (run.py).
-        transport = getattr(getattr(send, "__self__", None), "transport", None)
-        if transport is not None:
-            scope[ABORT_CONNECTION] = transport.abort
         try:
             if self._keys and path not in OPEN_PATHS and not self._authorized(scope["headers"]):
                 error = HttpError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'")
