@@ -21,7 +21,7 @@ import grpc
 
 from frontend_svc.engine.router import EngineRouter
 from frontend_svc.service import convert
-from frontend_svc.service.flow import Call, InFlightCalls
+from frontend_svc.service.flow import Call, InFlightCalls, call_over
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
@@ -126,7 +126,10 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.calls.leave(call)
             stats.end(code, message)  # metrics, span, the request's log line
         if code is not grpc.StatusCode.OK:
-            await context.abort(code, message)
+            try:
+                await context.abort(code, message)
+            except grpc.aio.InternalError as e:
+                raise call_over(e) from e
 
     def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
         return plan_generate(convert.generate_input(request), tokenizer, info, self.limits, self.generation.parsers)

@@ -32,6 +32,7 @@ from frontend_svc.service.http import anthropic_api, openai_requests, sse
 from frontend_svc.service.http.errors import HttpError, bad_request, from_call_error
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_responses import OpenAIAnswer
+from frontend_svc.service.http.pacing import Pacer, paced
 from frontend_svc.service.http.run import HttpRun, RunStream, as_call_error, collect, until_disconnect
 from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, check_ids, encode_prompt, render_chat
 from frontend_svc.types import CallError, EngineUnavailableError
@@ -44,6 +45,7 @@ class HttpFace:
         self.generation = generation
         self.serving = serving
         self.max_body_bytes = max_body_bytes
+        self.pacer = Pacer()  # streamed calls coalesce while the frontend is busy (pacing.py)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -113,7 +115,7 @@ class HttpFace:
             try:
                 pieces = run.pieces(plan)
                 async with contextlib.aclosing(pieces):
-                    async for piece in sse.with_pings(pieces):
+                    async for piece in sse.with_pings(paced(pieces, self.pacer)):
                         yield sse.PING if piece is None else sse.data(answer.chunk(piece, usage=usage))
                 if req.include_usage:
                     yield sse.data(answer.usage_chunk())
@@ -154,7 +156,7 @@ class HttpFace:
                     yield sse.event(name, event)
                 pieces = run.pieces(plan)
                 async with contextlib.aclosing(pieces):
-                    async for piece in sse.with_pings(pieces):
+                    async for piece in sse.with_pings(paced(pieces, self.pacer)):
                         if piece is None:
                             yield sse.event("ping", {"type": "ping"})
                             continue
