@@ -25,7 +25,7 @@ _SIGNATURES = {
     "tk_gemm_panel_k": [_I, _I],
     "tk_gemm_bf16_dp": [],
     "tk_gemm_pack": [_P, _I, _I, _I, _I, _P, _I],
-    "tk_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I],
+    "tk_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I],
     "tk_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
     "tk_silu_mul": [_P, _P, _I, _I, _I, _I],
     "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
@@ -37,6 +37,23 @@ _SIGNATURES = {
 
 class KernelError(RuntimeError):
     pass
+
+
+class LoraTerm(ctypes.Structure):
+    """gemm.c's ``tk_lora`` (gemm_lora.h): a LoRA term per row, added inside the GEMM.
+
+    Built by ``NativeKernels.lora_term``, which checks the tensors; whoever builds one
+    keeps its tensors alive until the GEMM returns."""
+
+    _fields_ = [
+        ("row_slot", ctypes.c_void_p),  # int32 [M]: the row's adapter slot, or -1
+        ("la", ctypes.c_void_p),  # float32 [S, R, K]: lora_A of every slot
+        ("lb", ctypes.c_void_p),  # float32 [S, R, ldb]: lora_B^T x scale, in the weight's panel order
+        ("ranks", ctypes.c_void_p),  # int32 [S]: rows of la / lb each slot uses
+        ("max_rank", ctypes.c_int),  # R
+        ("ldb", ctypes.c_int),
+        ("xa", ctypes.c_void_p),  # float32 workspace, >= M x R
+    ]
 
 
 def _code(t: torch.Tensor) -> int:
@@ -117,8 +134,35 @@ class NativeKernels:
             padded = torch.stack(cols, 1).reshape(-1).contiguous() if silu_mul else cols[0].reshape(-1).contiguous()
         return PackedWeight(panels, padded, k, half, silu_mul)
 
-    def gemm(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-        """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype."""
+    def panel_columns(self, w: PackedWeight) -> int:
+        """Columns of the packed weight's panels: the width of a LoRA term's ``lb`` rows."""
+        return w.panels.numel() // self._lib.tk_gemm_panel_k(w.in_features, _code(w.panels))
+
+    def lora_term(
+        self, w: PackedWeight, row_slot: torch.Tensor, la: torch.Tensor, lb: torch.Tensor, ranks: torch.Tensor,
+        xa: torch.Tensor,
+    ) -> LoraTerm:  # fmt: skip
+        """The ``lora`` argument of ``gemm`` for weight ``w`` (see ``LoraTerm``); shapes and
+        dtypes are checked here, while every slot in ``row_slot`` being below S and every rank
+        at most R are the caller's promise (the C code trusts them): the slot table checks
+        them once per step, not once per layer."""
+        _contiguous(row_slot, la, lb, ranks, xa)
+        num_slots, max_rank = la.shape[0], la.shape[1]
+        if row_slot.dtype != torch.int32 or ranks.dtype != torch.int32 or ranks.shape != (num_slots,):
+            raise ValueError("lora_term: row_slot and ranks are int32, one rank per slot")
+        if la.dtype != torch.float32 or lb.dtype != torch.float32 or xa.dtype != torch.float32:
+            raise ValueError("lora_term: la, lb and xa are float32")
+        if la.shape[2] != w.in_features or lb.shape != (num_slots, max_rank, self.panel_columns(w)):
+            raise ValueError(f"lora_term: la {tuple(la.shape)} / lb {tuple(lb.shape)} do not fit the weight")
+        if xa.numel() < row_slot.shape[0] * max_rank:
+            raise ValueError("lora_term: the workspace holds fewer than M x R floats")
+        return LoraTerm(
+            row_slot.data_ptr(), la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), max_rank, lb.shape[2], xa.data_ptr()
+        )
+
+    def gemm(self, x: torch.Tensor, w: PackedWeight, lora: LoraTerm | None = None) -> torch.Tensor:
+        """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype;
+        with ``lora`` (``lora_term``; its row_slot has M entries) each row adds its adapter's term."""
         if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
             raise ValueError(f"gemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
         if x.dtype != w.panels.dtype:  # bfloat16 dot products take pairs of bfloat16 only
@@ -132,7 +176,8 @@ class NativeKernels:
             x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), code,
             None if w.bias is None else w.bias.data_ptr(), out.data_ptr(), w.out_features, code,
             m, w.out_features, w.in_features, EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
-            None if ws is None else ws.data_ptr(), torch.get_num_threads(),
+            None if ws is None else ws.data_ptr(), None if lora is None else ctypes.byref(lora),
+            torch.get_num_threads(),
         )  # fmt: skip
         _check("gemm", rc)
         return out
