@@ -243,6 +243,7 @@ class EngineCore:
             spec_decode=None if sched.speculator is None else sched.speculator.stats.snapshot(),
             lora_version=0 if self.lora is None else self.lora.version,
             lora_adapters=() if self.lora is None else self.lora.infos,
+            lora_events=() if self.lora is None else self.lora.take_events(),
         )
 
     def warmup(self) -> None:

@@ -81,7 +81,7 @@ class LoraRegistry:
         self._free_slots = list(range(slots.num_slots - 1, -1, -1))
         self.version = 0
         self.infos: tuple[LoraAdapterInfo, ...] = ()
-        self.on_event: Callable[[str, float], None] | None = None  # (load | unload | reload, seconds)
+        self._events: list[tuple[str, float]] = []  # (load | unload | reload, seconds) since take_events
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         """The adapter in ``path``, checked against the model (any thread); LoraRefusedError
@@ -203,8 +203,12 @@ class LoraRegistry:
         )
 
     def _event(self, kind: str, seconds: float) -> None:
-        if self.on_event is not None:
-            self.on_event(kind, seconds)
+        self._events.append((kind, seconds))
+
+    def take_events(self) -> tuple[tuple[str, float], ...]:
+        """The loads, unloads and read-backs since the last take, with their durations (metrics)."""
+        events, self._events = tuple(self._events), []
+        return events
 
 
 def _check_name(name: str) -> None:

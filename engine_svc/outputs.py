@@ -164,6 +164,7 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
     lora_version: int = 0  # changes whenever an adapter is loaded, unloaded or changed
     lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # the LoRA adapters requests may name
+    lora_events: tuple[tuple[str, float], ...] = ()  # (load | unload | reload, seconds) in this turn
 
 
 @dataclass(frozen=True)
