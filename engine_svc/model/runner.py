@@ -219,9 +219,13 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return output
         # The batch order is the runner's alone (outputs are keyed by request id): decodes
-        # first, sorted by context length so that neighbours in a decode group pad little,
-        # then prefill chunks.
-        decodes = sorted((s for s in scheduler_output.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.start)
+        # first, sorted by context length so that neighbours in a decode group pad little
+        # (by LoRA adapter first, so that each adapter's rows are one run in the GEMM's LoRA
+        # term), then prefill chunks.
+        decodes = sorted(
+            (s for s in scheduler_output.scheduled if s.num_scheduled_tokens == 1),
+            key=lambda s: (-1 if s.request.lora_slot is None else s.request.lora_slot, s.start),
+        )
         chunks = [s for s in scheduler_output.scheduled if s.num_scheduled_tokens != 1]
         batch = decodes + chunks
 

@@ -5,12 +5,12 @@
     slots.write(slot, adapter) / slots.clear(slot)       between steps
     slots.begin_step(row_slots) ... model(...) ... slots.end_step()
 
-Each wrapped module keeps one stack per kind, shared by all slots::
-
-    la     [S, R, K]     float32   lora_A of each part, stacked along R (q, k, v: R = 3r)
-    lb     [S, R, cols]  float32   lora_B^T x scale, the parts' columns where the module's
-                                   output has them (in the native GEMM's panel order there)
-    ranks  [S]           int32     rows of la / lb a slot uses (its parts' ranks, summed)
+Each wrapped module keeps one stack per kind, shared by all slots: the parts' lora_A rows
+stacked along the ranks (q, k and v: up to 3r of them), their lora_B^T x scale with each
+part's columns where the module's output has them, and the ranks each slot uses (its
+parts' ranks, summed). On the PyTorch path ``la`` is [S, R, K] and ``lb`` [S, R, N]; on the
+native GEMM both are in panels of NR (gemm_lora.h): ``la`` [S, R/NR, K, NR] and ``lb``
+[S, panels, R, NR] in the packed weight's column order.
 
 A step whose rows use no adapter runs the base layers alone (``begin_step(None)``): the
 wrappers cost one attribute read. Otherwise every row has a slot (-1: the base model) and:
@@ -92,21 +92,31 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.step = step
-        self.native = kernels if isinstance(base, NativeLinear) else None
-        self.packed = base.packed if isinstance(base, NativeLinear) else None
+        self.packed = base.packed if kernels is not None and isinstance(base, NativeLinear) else None
+        self.native = kernels if self.packed is not None else None
         self.part_widths = tuple(part_widths)
-        self.max_rank = max_rank * len(part_widths)  # R: every part at the largest rank
+        num_ranks = max_rank * len(part_widths)  # every part at the largest rank
         self.col_map = self._column_map()  # output column -> column of lb
-        cols = self.native.panel_columns(self.packed) if self.native and self.packed else len(self.col_map)
-        self.la = torch.zeros(num_slots, self.max_rank, in_features)
-        self.lb = torch.zeros(num_slots, self.max_rank, cols)
+        if self.native is not None and self.packed is not None:
+            # gemm_lora.h's layout: ranks and columns in panels of NR.
+            nr = self.native.panel_width
+            rp, num_panels = -(-num_ranks // nr), self.native.panel_columns(self.packed) // nr
+            self.max_rank = rp * nr
+            self.la = torch.zeros(num_slots, rp, in_features, nr)  # [S, RP, K, NR]
+            self.lb = torch.zeros(num_slots, num_panels, self.max_rank, nr)  # [S, NP, R, NR]
+            self.spans = torch.zeros(num_slots, num_panels, 2, dtype=torch.int32)  # [S, NP, (t0, t1)]
+        else:
+            self.max_rank = num_ranks
+            self.la = torch.zeros(num_slots, num_ranks, in_features)  # [S, R, K]
+            self.lb = torch.zeros(num_slots, num_ranks, len(self.col_map))  # [S, R, N]
+            self.spans = torch.zeros(0, dtype=torch.int32)  # the native GEMM's only
         self.ranks = torch.zeros(num_slots, dtype=torch.int32)
         self.rank_of = [0] * num_slots  # the same, as ints, for the PyTorch path
 
     def _column_map(self) -> torch.Tensor:
-        """Where each output column's B row goes in ``lb``: the column itself, except on the
-        native GEMM, whose packed panels hold NR columns each and, for a gate/up pair packed
-        for the fused SiLU-and-multiply, alternate gate panel q and up panel q."""
+        """Where each output column's B row goes: the column itself, except on the native
+        GEMM, whose packed panels hold NR columns each and, for a gate/up pair packed for the
+        fused SiLU-and-multiply, alternate gate panel q and up panel q."""
         cols = torch.arange(sum(self.part_widths))
         if self.native is None or self.packed is None or not self.packed.silu_mul:
             return cols
@@ -116,26 +126,56 @@ class LoraLinear(nn.Module):
         return (2 * (c // nr) + up) * nr + c % nr
 
     def write(self, slot: int, adapter: LoraAdapter, module: str) -> None:
-        """Put ``adapter``'s parts for ``module`` into ``slot`` (zeros where it has none)."""
-        self.la[slot].zero_()
-        self.lb[slot].zero_()
+        """Put ``adapter``'s parts for ``module`` into ``slot`` (zeros where it has none): its
+        parts' A rows stacked, and their B columns where the parts' outputs are."""
+        la = torch.zeros(self.max_rank, self.la.shape[-2] if self.native else self.la.shape[-1])  # [R, K]
+        lb = torch.zeros(self.max_rank, int(self.col_map.max()) + 1)  # [R, columns]
         offsets = [sum(self.part_widths[:i]) for i in range(len(self.part_widths))]
+        spans: list[tuple[torch.Tensor, int, int]] = []  # (the part's columns, its ranks t0, t1)
         r0 = 0
         for part in sorted(adapter.modules.get(module, ()), key=lambda p: p.part):
             r1 = r0 + part.rank
             cols = self.col_map[offsets[part.part] : offsets[part.part] + self.part_widths[part.part]]
-            self.la[slot, r0:r1] = part.a
-            self.lb[slot, r0:r1, cols] = part.b.T
+            la[r0:r1] = part.a
+            lb[r0:r1, cols] = part.b.T
+            spans.append((cols, r0, r1))
             r0 = r1
+        if self.native is not None:
+            rp, k, nr = self.la.shape[1:]
+            self.la[slot] = la.view(rp, nr, k).transpose(1, 2)
+            num_panels = self.lb.shape[1]
+            lb = torch.nn.functional.pad(lb, (0, num_panels * nr - lb.shape[1]))
+            self.lb[slot] = lb.view(self.max_rank, num_panels, nr).transpose(0, 1)
+            # Each weight panel adds only the ranks of the parts its columns belong to.
+            t0 = torch.full((num_panels,), self.max_rank, dtype=torch.int32)
+            t1 = torch.zeros(num_panels, dtype=torch.int32)
+            for cols, start, end in spans:
+                panels = torch.unique(cols // nr)
+                t0[panels] = torch.clamp(t0[panels], max=start)
+                t1[panels] = torch.clamp(t1[panels], min=end)
+            self.spans[slot] = torch.stack((torch.minimum(t0, t1), t1), dim=1)
+        else:
+            self.la[slot] = la
+            self.lb[slot] = lb
         self.ranks[slot] = r0
         self.rank_of[slot] = r0
+
+    def clear(self, slot: int) -> None:
+        self.la[slot].zero_()
+        self.lb[slot].zero_()
+        if self.native is not None:
+            self.spans[slot].zero_()
+        self.ranks[slot] = 0
+        self.rank_of[slot] = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.step.batch
         if batch is None:
             return self.base(x)
         if self.native is not None and self.packed is not None:
-            term = self.native.lora_term(self.packed, batch.row_slot, self.la, self.lb, self.ranks, batch.xa)
+            term = self.native.lora_term(
+                self.packed, batch.row_slot, self.la, self.lb, self.ranks, self.spans, batch.xa
+            )
             return self.native.gemm(x, self.packed, term)
         quantized = self.base if isinstance(self.base, QuantizedLinear) else None
         y = self.base(x) if quantized is None else quantized.pre_activation(x)  # [rows, out]
@@ -193,10 +233,7 @@ class LoraSlots:
 
     def clear(self, slot: int) -> None:
         for layer in self.layers.values():
-            layer.la[slot].zero_()
-            layer.lb[slot].zero_()
-            layer.ranks[slot] = 0
-            layer.rank_of[slot] = 0
+            layer.clear(slot)
 
     def begin_step(self, row_slots: list[int] | None) -> None:
         """The step's slot per row (-1: none), or None when no row uses an adapter."""

@@ -113,6 +113,8 @@ static inline __attribute__((always_inline)) void micro_tile(
     }
 }
 
+#include "gemm_lora.h" /* the LoRA term, on micro_tile */
+
 typedef struct {
     const void *a; /* float32 A (converted when the caller's A is bfloat16), or bfloat16 pairs (dp) */
     int lda;
@@ -212,8 +214,8 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
         BLOCK_TIMES_PANEL(g, m0, m1, 2 * q, gate);
         BLOCK_TIMES_PANEL(g, m0, m1, 2 * q + 1, up);
         if (g->lora) { /* before SiLU: the adapter changes the gate and up projections */
-            lora_up_tile(g->lora, m0, m1, 2 * q, NR, gate);
-            lora_up_tile(g->lora, m0, m1, 2 * q + 1, NR, up);
+            lora_up_tile(g->lora, m0, m1, 2 * q, gate);
+            lora_up_tile(g->lora, m0, m1, 2 * q + 1, up);
         }
         /* In vectors: the epilogue's exp costs as much as a scalar loop's whole tile of
          * multiply-adds (vsilu is silu lane by lane, same operations, same bits). */
@@ -233,7 +235,7 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
         return;
     }
     BLOCK_TIMES_PANEL(g, m0, m1, q, cs);
-    if (g->lora) lora_up_tile(g->lora, m0, m1, q, NR, cs);
+    if (g->lora) lora_up_tile(g->lora, m0, m1, q, cs);
     for (int r = 0; r < rows; r++) {
         float *cr = cs + (size_t)r * NR;
         if (g->bias)
@@ -301,8 +303,15 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
             }
         }
         if (lora) { /* every row's down-projection, before any tile adds it */
+            float *buf = adtype == TK_BF16 ? malloc(sizeof(float) * MR * (size_t)K) : NULL;
+            if (adtype == TK_BF16 && buf == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
 #pragma omp for schedule(static)
-            for (int m = 0; m < M; m++) lora_down_row(lora, a, lda, adtype, K, m);
+            for (int m = 0; m < M; m += MR)
+                if (adtype != TK_BF16 || buf != NULL) lora_down_rows(lora, a, lda, adtype, K, m, m + MR < M ? m + MR : M, buf);
+            free(buf);
         }
         for (;;) {
             int item;

@@ -3,65 +3,103 @@
  *
  *     C[m, :] += (A[m, :] @ La[s]^T) @ Lb[s]          (the adapter's scale folded into Lb)
  *
- *   La [S][R][K] float32     the down-projections (lora_A) of every slot, ranks[s] rows used
- *   Lb [S][R][ldb] float32   the up-projections (lora_B, transposed), columns in the packed
- *                            weight's panel order: Lb[s][t][p * NR + j] adds to the column j
- *                            of panel p, so a gate/up pair's gate and up parts land in the
- *                            accumulators of the panels they belong to, before SiLU
- *   xa [M][R] float32        workspace: A[m] @ La[s]^T, computed once per row and call
+ * Both products run on gemm.c's own micro-tile, over runs of consecutive rows that share a
+ * slot (a prefill chunk is one run; decode rows of one adapter, sorted together, are too),
+ * so they go at the GEMM's pace rather than a dot product's. Rank R is padded to panels:
  *
- * Rows of different adapters (and rows with none) mix freely in one call: the base product
- * is one pass over the weights for all rows, and each row adds its own adapter's rank-r
- * term to its output tile while the tile is still in registers or L1. A row with no slot
- * is computed exactly as without this argument.
+ *   La [S][RP][K][NR]   lora_A^T of every slot in panels of NR ranks (RP panels, R = RP x NR)
+ *   Lb [S][NP][R][NR]   lora_B^T x scale in the packed weight's panel order: panel p holds
+ *                       the ranks' weights for the NR columns of weight panel p, so a
+ *                       gate/up pair's gate and up parts add to the accumulators of the
+ *                       panels they belong to, before SiLU
+ *   xa [M][R]           workspace: A[m] @ La[s]^T, made once per call before any tile
+ *
+ * A slot uses ranks[s] <= R ranks, and weight panel p only ranks spans[s][p] = [t0, t1):
+ * those of the part its columns belong to (q, k and v each have their own ranks, and a
+ * panel of q columns adds nothing from k's). A row with no slot is computed exactly as
+ * without this argument. The functions below use gemm.c's micro_tile,
+ * MR and NR: gemm.c includes this header twice, the types first, the code after micro_tile.
  */
-#ifndef TANDEM_GEMM_LORA_H
-#define TANDEM_GEMM_LORA_H
+#ifndef TANDEM_GEMM_LORA_TYPES
+#define TANDEM_GEMM_LORA_TYPES
 
-#include "tandem_kernels.h"
+#include <stdint.h>
 
 typedef struct {
     const int32_t *row_slot; /* [M]: the row's slot, or -1 */
-    const float *la;         /* [S][R][K] */
-    const float *lb;         /* [S][R][ldb] */
+    const float *la;         /* [S][RP][K][NR] */
+    const float *lb;         /* [S][NP][RP * NR][NR] */
     const int32_t *ranks;    /* [S] */
-    int max_rank;            /* R */
-    int ldb;                 /* columns of Lb: the weight's panels x NR */
+    const int32_t *spans;    /* [S][NP][2]: the ranks [t0, t1) weight panel p adds */
+    int rp;                  /* panels of ranks: R = rp * NR */
+    int np;                  /* panels of the packed weight */
     float *xa;               /* [M][R] */
 } tk_lora;
 
-/* xa[m] = A[m] @ La[s]^T for row m (A of dtype adtype, row stride lda, K columns). */
-static inline void lora_down_row(const tk_lora *l, const void *a, int lda, int adtype, int K, int m) {
-    const int s = l->row_slot[m];
-    if (s < 0) return;
-    const float *la = l->la + (size_t)s * l->max_rank * K;
-    float *xa = l->xa + (size_t)m * l->max_rank;
-    const size_t row = (size_t)m * lda;
-    for (int t = 0; t < l->ranks[s]; t++) {
-        const float *w = la + (size_t)t * K;
-        vf acc = vzero();
-        int k = 0;
-        for (; k + TK_VL <= K; k += TK_VL) acc += vload_any(a, row + k, adtype) * vload(w + k);
-        float sum = 0.0f;
-        for (int i = 0; i < TK_VL; i++) sum += acc[i];
-        for (; k < K; k++) sum += load_any(a, row + k, adtype) * w[k];
-        xa[t] = sum;
+#elif defined(NR) && !defined(TANDEM_GEMM_LORA_CODE)
+#define TANDEM_GEMM_LORA_CODE
+
+/* The micro-tile for a literal row count (so its accumulators stay in registers). */
+#define LORA_TILE(mr, a, lda, panel, kc, c, first)                                      \
+    switch (mr) {                                                                      \
+    case 12: micro_tile(12, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break; \
+    case 11: micro_tile(11, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break; \
+    case 10: micro_tile(10, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break; \
+    case 9: micro_tile(9, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    case 8: micro_tile(8, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    case 7: micro_tile(7, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    case 6: micro_tile(6, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    case 5: micro_tile(5, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    case 4: micro_tile(4, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    case 3: micro_tile(3, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    case 2: micro_tile(2, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;   \
+    default: micro_tile(1, a, lda, panel, TK_F32, kc, c, first, (const char *)(panel)); break;  \
+    }
+
+/* Rows m0 .. m0 + MR at most: the end of the run of rows that share m0's slot. */
+static inline int lora_run_end(const tk_lora *l, int m0, int m1) {
+    int e = m0 + 1;
+    while (e < m1 && e - m0 < MR && l->row_slot[e] == l->row_slot[m0]) e++;
+    return e;
+}
+
+/* xa[m] = A[m] @ La[s]^T for the rows m0 .. m1 (A of dtype adtype, row stride lda). buf:
+ * MR * K floats, where bfloat16 rows are widened. */
+static void lora_down_rows(const tk_lora *l, const void *a, int lda, int adtype, int K, int m0, int m1, float *buf) {
+    const int R = l->rp * NR;
+    float tile[MR * NR];
+    for (int m = m0; m < m1;) {
+        const int e = lora_run_end(l, m, m1), s = l->row_slot[m], n = e - m;
+        if (s >= 0) {
+            const float *rows = (const float *)a + (size_t)m * lda;
+            int ld = lda;
+            if (adtype == TK_BF16) {
+                for (int r = 0; r < n; r++)
+                    for (int k = 0; k < K; k++) buf[(size_t)r * K + k] = load_any(a, (size_t)(m + r) * lda + k, adtype);
+                rows = buf, ld = K;
+            }
+            const int used = (l->ranks[s] + NR - 1) / NR;
+            for (int q = 0; q < used; q++) {
+                const float *panel = l->la + ((size_t)s * l->rp + q) * K * NR;
+                LORA_TILE(n, rows, ld, panel, K, tile, 1);
+                for (int r = 0; r < n; r++) memcpy(l->xa + (size_t)(m + r) * R + q * NR, tile + r * NR, NR * sizeof(float));
+            }
+        }
+        m = e;
     }
 }
 
-/* cs [rows][nr] (rows m0 .. m1 of panel p's columns) += each row's xa @ Lb[s][:, panel p]. */
-static inline void lora_up_tile(const tk_lora *l, int m0, int m1, int p, int nr, float *cs) {
-    for (int m = m0; m < m1; m++) {
-        const int s = l->row_slot[m];
-        if (s < 0) continue;
-        const float *xa = l->xa + (size_t)m * l->max_rank;
-        const float *lb = l->lb + (size_t)s * l->max_rank * l->ldb + (size_t)p * nr;
-        float *c = cs + (size_t)(m - m0) * nr;
-        for (int j = 0; j < nr; j += TK_VL) {
-            vf acc = vload(c + j);
-            for (int t = 0; t < l->ranks[s]; t++) acc += vbcast(xa[t]) * vload(lb + (size_t)t * l->ldb + j);
-            vstore(c + j, acc);
+/* cs [rows][NR] (rows m0 .. m1 of weight panel p) += each row's xa @ Lb[s][p]. */
+static void lora_up_tile(const tk_lora *l, int m0, int m1, int p, float *cs) {
+    const int R = l->rp * NR;
+    for (int m = m0; m < m1;) {
+        const int e = lora_run_end(l, m, m1), s = l->row_slot[m];
+        const int32_t *span = s >= 0 ? l->spans + ((size_t)s * l->np + p) * 2 : NULL;
+        if (span != NULL && span[1] > span[0]) {
+            const float *panel = l->lb + (((size_t)s * l->np + p) * R + span[0]) * NR;
+            LORA_TILE(e - m, l->xa + (size_t)m * R + span[0], R, panel, span[1] - span[0], cs + (size_t)(m - m0) * NR, 0);
         }
+        m = e;
     }
 }
 

@@ -47,12 +47,13 @@ class LoraTerm(ctypes.Structure):
 
     _fields_ = [
         ("row_slot", ctypes.c_void_p),  # int32 [M]: the row's adapter slot, or -1
-        ("la", ctypes.c_void_p),  # float32 [S, R, K]: lora_A of every slot
-        ("lb", ctypes.c_void_p),  # float32 [S, R, ldb]: lora_B^T x scale, in the weight's panel order
-        ("ranks", ctypes.c_void_p),  # int32 [S]: rows of la / lb each slot uses
-        ("max_rank", ctypes.c_int),  # R
-        ("ldb", ctypes.c_int),
-        ("xa", ctypes.c_void_p),  # float32 workspace, >= M x R
+        ("la", ctypes.c_void_p),  # float32 [S, RP, K, NR]: lora_A^T of every slot, NR ranks a panel
+        ("lb", ctypes.c_void_p),  # float32 [S, NP, RP * NR, NR]: lora_B^T x scale per weight panel
+        ("ranks", ctypes.c_void_p),  # int32 [S]: ranks each slot uses
+        ("spans", ctypes.c_void_p),  # int32 [S, NP, 2]: the ranks [t0, t1) each weight panel adds
+        ("rp", ctypes.c_int),
+        ("np", ctypes.c_int),
+        ("xa", ctypes.c_void_p),  # float32 workspace, >= M x RP x NR
     ]
 
 
@@ -140,24 +141,29 @@ class NativeKernels:
 
     def lora_term(
         self, w: PackedWeight, row_slot: torch.Tensor, la: torch.Tensor, lb: torch.Tensor, ranks: torch.Tensor,
-        xa: torch.Tensor,
+        spans: torch.Tensor, xa: torch.Tensor,
     ) -> LoraTerm:  # fmt: skip
         """The ``lora`` argument of ``gemm`` for weight ``w`` (see ``LoraTerm``); shapes and
         dtypes are checked here, while every slot in ``row_slot`` being below S and every rank
-        at most R are the caller's promise (the C code trusts them): the slot table checks
-        them once per step, not once per layer."""
-        _contiguous(row_slot, la, lb, ranks, xa)
-        num_slots, max_rank = la.shape[0], la.shape[1]
+        at most RP x NR (spans within them) are the caller's promise (the C code trusts
+        them): the slot table checks them once per step, not once per layer."""
+        _contiguous(row_slot, la, lb, ranks, spans, xa)
+        nr = self.panel_width
+        num_slots, rp = la.shape[0], la.shape[1]
         if row_slot.dtype != torch.int32 or ranks.dtype != torch.int32 or ranks.shape != (num_slots,):
             raise ValueError("lora_term: row_slot and ranks are int32, one rank per slot")
+        if spans.dtype != torch.int32 or spans.shape != (num_slots, self.panel_columns(w) // nr, 2):
+            raise ValueError("lora_term: spans are int32 [slots, weight panels, 2]")
         if la.dtype != torch.float32 or lb.dtype != torch.float32 or xa.dtype != torch.float32:
             raise ValueError("lora_term: la, lb and xa are float32")
-        if la.shape[2] != w.in_features or lb.shape != (num_slots, max_rank, self.panel_columns(w)):
+        num_panels = self.panel_columns(w) // nr
+        if la.shape != (num_slots, rp, w.in_features, nr) or lb.shape != (num_slots, num_panels, rp * nr, nr):
             raise ValueError(f"lora_term: la {tuple(la.shape)} / lb {tuple(lb.shape)} do not fit the weight")
-        if xa.numel() < row_slot.shape[0] * max_rank:
-            raise ValueError("lora_term: the workspace holds fewer than M x R floats")
+        if xa.numel() < row_slot.shape[0] * rp * nr:
+            raise ValueError("lora_term: the workspace holds fewer than M x RP x NR floats")
         return LoraTerm(
-            row_slot.data_ptr(), la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), max_rank, lb.shape[2], xa.data_ptr()
+            row_slot.data_ptr(), la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), rp, num_panels,
+            xa.data_ptr(),
         )
 
     def gemm(self, x: torch.Tensor, w: PackedWeight, lora: LoraTerm | None = None) -> torch.Tensor:
