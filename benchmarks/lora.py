@@ -123,15 +123,19 @@ def main(argv: list[str] | None = None) -> int:
             run = timed(engines[engine], workload, names)
             run["load_average"] = os.getloadavg()
             runs[arm].append(run)
-            print(f"round {r + 1} {arm:12s} {run['output_tok_per_s']:8.1f} output tok/s", flush=True)
-    base = statistics.median(run["output_tok_per_s"] for run in runs["base"])
-    summary = {}
-    for arm, arm_runs in runs.items():
-        median = statistics.median(run["output_tok_per_s"] for run in arm_runs)
-        summary[arm] = {"median_output_tok_per_s": median, "ratio_to_base": median / base, "runs": arm_runs}
-        print(
-            f"{arm:12s} median {median:8.1f} output tok/s  x{median / base:.3f} of the base ({1 - median / base:+.1%} cost)"
-        )
+            print(
+                f"round {r + 1} {arm:12s} {run['output_tok_per_s']:8.1f} output tok/s, "
+                f"{run['output_tok_per_cpu_s']:8.1f} per CPU-second",
+                flush=True,
+            )
+    summary: dict[str, dict] = {}
+    for key in ("output_tok_per_s", "output_tok_per_cpu_s"):
+        base = statistics.median(run[key] for run in runs["base"])
+        print(f"-- {key}: median, and the ratio to the base model alone")
+        for arm, arm_runs in runs.items():
+            median = statistics.median(run[key] for run in arm_runs)
+            summary.setdefault(arm, {"runs": arm_runs})[key] = {"median": median, "ratio_to_base": median / base}
+            print(f"{arm:12s} {median:8.1f}  x{median / base:.3f} ({1 - median / base:+.1%} cost)")
     if args.json is not None:
         args.json.write_text(
             json.dumps({"machine": info, "rank": args.rank, "workload": args.workload, "arms": summary}, indent=2)
