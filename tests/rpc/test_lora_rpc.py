@@ -63,12 +63,12 @@ async def _status_of(coro) -> grpc.StatusCode:
 
 
 def test_load_use_refuse_and_unload_an_adapter_at_run_time(demo_model_dir, adapters):
-    engine = start_engine(
-        demo_model_dir, "--enable-lora", "--num-kv-blocks", "256", "--dtype", "float32"
-    ).wait_serving()
+    engine = start_engine(demo_model_dir, "--enable-lora", "--num-kv-blocks", "256", "--dtype", "float32")
     frontend = None
     try:
-        frontend = start_frontend(engine.address, extra=("--http-port", "0")).wait_serving()
+        engine.wait_serving()
+        frontend = start_frontend(engine.address, extra=("--http-port", "0"))
+        frontend.wait_serving()
         asyncio.run(_load_use_unload(engine.address, frontend.address, http_base(frontend), demo_model_dir, adapters))
     finally:
         if frontend is not None:
@@ -150,7 +150,8 @@ def test_requests_under_an_adapter_go_only_to_the_engines_that_serve_it(demo_mod
     try:
         plain.wait_serving()
         with_lora.wait_serving()
-        frontend = start_frontend(plain.address, with_lora.address).wait_serving()
+        frontend = start_frontend(plain.address, with_lora.address)
+        frontend.wait_serving()
 
         async def calls():
             async with grpc.aio.insecure_channel(frontend.address) as channel:
