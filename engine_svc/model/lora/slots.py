@@ -96,6 +96,8 @@ class LoraLinear(nn.Module):
         self.native = kernels if self.packed is not None else None
         self.part_widths = tuple(part_widths)
         num_ranks = max_rank * len(part_widths)  # every part at the largest rank
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32)
+        self.rank_of = [0] * num_slots  # the same, as ints, for the PyTorch path
         self.col_map = self._column_map()  # output column -> column of lb
         if self.native is not None and self.packed is not None:
             # gemm_lora.h's layout: ranks and columns in panels of NR.
@@ -105,13 +107,12 @@ class LoraLinear(nn.Module):
             self.la = torch.zeros(num_slots, rp, in_features, nr)  # [S, RP, K, NR]
             self.lb = torch.zeros(num_slots, num_panels, self.max_rank, nr)  # [S, NP, R, NR]
             self.spans = torch.zeros(num_slots, num_panels, 2, dtype=torch.int32)  # [S, NP, (t0, t1)]
+            self.term = self.native.lora_term(self.packed, self.la, self.lb, self.ranks, self.spans)
         else:
             self.max_rank = num_ranks
             self.la = torch.zeros(num_slots, num_ranks, in_features)  # [S, R, K]
             self.lb = torch.zeros(num_slots, num_ranks, len(self.col_map))  # [S, R, N]
             self.spans = torch.zeros(0, dtype=torch.int32)  # the native GEMM's only
-        self.ranks = torch.zeros(num_slots, dtype=torch.int32)
-        self.rank_of = [0] * num_slots  # the same, as ints, for the PyTorch path
 
     def _column_map(self) -> torch.Tensor:
         """Where each output column's B row goes: the column itself, except on the native
@@ -173,10 +174,9 @@ class LoraLinear(nn.Module):
         if batch is None:
             return self.base(x)
         if self.native is not None and self.packed is not None:
-            term = self.native.lora_term(
-                self.packed, batch.row_slot, self.la, self.lb, self.ranks, self.spans, batch.xa
-            )
-            return self.native.gemm(x, self.packed, term)
+            if batch.row_slot.shape[0] != x.shape[0]:
+                raise ValueError(f"LoRA rows: {batch.row_slot.shape[0]} slots for {x.shape[0]} rows")
+            return self.native.gemm(x, self.packed, self.term.for_rows(batch.row_slot, batch.xa))
         quantized = self.base if isinstance(self.base, QuantizedLinear) else None
         y = self.base(x) if quantized is None else quantized.pre_activation(x)  # [rows, out]
         for slot, rows in batch.groups:

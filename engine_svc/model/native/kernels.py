@@ -42,8 +42,9 @@ class KernelError(RuntimeError):
 class LoraTerm(ctypes.Structure):
     """gemm.c's ``tk_lora`` (gemm_lora.h): a LoRA term per row, added inside the GEMM.
 
-    Built by ``NativeKernels.lora_term``, which checks the tensors; whoever builds one
-    keeps its tensors alive until the GEMM returns."""
+    Built once per layer by ``NativeKernels.lora_term``, which checks the slot tensors (their
+    storage never moves: slots are written in place); ``for_rows`` points it at a step's
+    rows. Whoever builds one keeps its tensors alive while it is used."""
 
     _fields_ = [
         ("row_slot", ctypes.c_void_p),  # int32 [M]: the row's adapter slot, or -1
@@ -55,6 +56,15 @@ class LoraTerm(ctypes.Structure):
         ("np", ctypes.c_int),
         ("xa", ctypes.c_void_p),  # float32 workspace, >= M x RP x NR
     ]
+    num_ranks = 0  # R = RP x NR, set by lora_term
+
+    def for_rows(self, row_slot: torch.Tensor, xa: torch.Tensor) -> LoraTerm:
+        """This term for a step's rows: ``row_slot`` int32 [M] (slots below S, the caller's
+        promise), ``xa`` a float32 workspace of at least M x RP x NR; both contiguous."""
+        if xa.numel() < row_slot.shape[0] * self.num_ranks:
+            raise ValueError("lora term: the workspace holds fewer than M x RP x NR floats")
+        self.row_slot, self.xa = row_slot.data_ptr(), xa.data_ptr()
+        return self
 
 
 def _code(t: torch.Tensor) -> int:
@@ -140,35 +150,30 @@ class NativeKernels:
         return w.panels.numel() // self._lib.tk_gemm_panel_k(w.in_features, _code(w.panels))
 
     def lora_term(
-        self, w: PackedWeight, row_slot: torch.Tensor, la: torch.Tensor, lb: torch.Tensor, ranks: torch.Tensor,
-        spans: torch.Tensor, xa: torch.Tensor,
-    ) -> LoraTerm:  # fmt: skip
-        """The ``lora`` argument of ``gemm`` for weight ``w`` (see ``LoraTerm``); shapes and
-        dtypes are checked here, while every slot in ``row_slot`` being below S and every rank
-        at most RP x NR (spans within them) are the caller's promise (the C code trusts
-        them): the slot table checks them once per step, not once per layer."""
-        _contiguous(row_slot, la, lb, ranks, spans, xa)
+        self, w: PackedWeight, la: torch.Tensor, lb: torch.Tensor, ranks: torch.Tensor, spans: torch.Tensor
+    ) -> LoraTerm:
+        """The ``lora`` argument of ``gemm`` for weight ``w`` (see ``LoraTerm``), its rows
+        set by ``LoraTerm.for_rows``; every rank at most RP x NR and every span within them
+        are the caller's promise (the C code trusts them)."""
+        _contiguous(la, lb, ranks, spans)
         nr = self.panel_width
         num_slots, rp = la.shape[0], la.shape[1]
-        if row_slot.dtype != torch.int32 or ranks.dtype != torch.int32 or ranks.shape != (num_slots,):
-            raise ValueError("lora_term: row_slot and ranks are int32, one rank per slot")
-        if spans.dtype != torch.int32 or spans.shape != (num_slots, self.panel_columns(w) // nr, 2):
-            raise ValueError("lora_term: spans are int32 [slots, weight panels, 2]")
-        if la.dtype != torch.float32 or lb.dtype != torch.float32 or xa.dtype != torch.float32:
-            raise ValueError("lora_term: la, lb and xa are float32")
         num_panels = self.panel_columns(w) // nr
+        if ranks.dtype != torch.int32 or ranks.shape != (num_slots,):
+            raise ValueError("lora_term: ranks are int32, one per slot")
+        if spans.dtype != torch.int32 or spans.shape != (num_slots, num_panels, 2):
+            raise ValueError("lora_term: spans are int32 [slots, weight panels, 2]")
+        if la.dtype != torch.float32 or lb.dtype != torch.float32:
+            raise ValueError("lora_term: la and lb are float32")
         if la.shape != (num_slots, rp, w.in_features, nr) or lb.shape != (num_slots, num_panels, rp * nr, nr):
             raise ValueError(f"lora_term: la {tuple(la.shape)} / lb {tuple(lb.shape)} do not fit the weight")
-        if xa.numel() < row_slot.shape[0] * rp * nr:
-            raise ValueError("lora_term: the workspace holds fewer than M x RP x NR floats")
-        return LoraTerm(
-            row_slot.data_ptr(), la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), rp, num_panels,
-            xa.data_ptr(),
-        )
+        term = LoraTerm(None, la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), rp, num_panels, None)
+        term.num_ranks = rp * nr  # R: a row's floats in the workspace
+        return term
 
     def gemm(self, x: torch.Tensor, w: PackedWeight, lora: LoraTerm | None = None) -> torch.Tensor:
         """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype;
-        with ``lora`` (``lora_term``; its row_slot has M entries) each row adds its adapter's term."""
+        with ``lora`` (``lora_term``, set for these M rows) each row adds its adapter's term."""
         if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
             raise ValueError(f"gemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
         if x.dtype != w.panels.dtype:  # bfloat16 dot products take pairs of bfloat16 only
