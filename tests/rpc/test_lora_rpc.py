@@ -17,10 +17,12 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tests.lora_factory import load_peft_model, make_adapter
+from tests.reliability.faults import free_port
 from tests.rpc.frontend_calls import generate, ids_of, stub_of
 from tests.rpc.http_face import http_base
 from tests.services import start_engine, start_frontend
@@ -63,13 +65,34 @@ async def _status_of(coro) -> grpc.StatusCode:
 
 
 def test_load_use_refuse_and_unload_an_adapter_at_run_time(demo_model_dir, adapters):
-    engine = start_engine(demo_model_dir, "--enable-lora", "--num-kv-blocks", "256", "--dtype", "float32")
+    metrics_port = free_port()
+    engine = start_engine(
+        demo_model_dir,
+        "--enable-lora",
+        "--num-kv-blocks",
+        "256",
+        "--dtype",
+        "float32",
+        "--metrics-port",
+        str(metrics_port),
+    )
     frontend = None
     try:
         engine.wait_serving()
         frontend = start_frontend(engine.address, extra=("--http-port", "0"))
         frontend.wait_serving()
         asyncio.run(_load_use_unload(engine.address, frontend.address, http_base(frontend), demo_model_dir, adapters))
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+            metrics = {
+                (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(page.read().decode())
+                for sample in family.samples
+            }
+        # Two greedy calls, the HTTP one and the long one cancelled, all under "a".
+        assert metrics[("tandem_engine_lora_requests_finished_total", (("adapter", "a"),))] == 4
+        assert metrics[("tandem_engine_lora_adapter_events_total", (("event", "load"),))] == 1
+        assert metrics[("tandem_engine_lora_adapter_events_total", (("event", "unload"),))] == 1
+        assert metrics[("tandem_engine_lora_adapters_loaded", ())] == 0
     finally:
         if frontend is not None:
             frontend.terminate()
