@@ -101,11 +101,12 @@ class LoraLinear(nn.Module):
         self.col_map = self._column_map()  # output column -> column of lb
         if self.native is not None and self.packed is not None:
             # gemm_lora.h's layout: ranks and columns in panels of NR.
-            nr = self.native.panel_width
+            # In the model's dtype: a bfloat16 model's adapters are read at half the bytes.
+            nr, dtype = self.native.panel_width, self.packed.panels.dtype
             rp, num_panels = -(-num_ranks // nr), self.native.panel_columns(self.packed) // nr
             self.max_rank = rp * nr
-            self.la = torch.zeros(num_slots, rp, in_features, nr)  # [S, RP, K, NR]
-            self.lb = torch.zeros(num_slots, num_panels, self.max_rank, nr)  # [S, NP, R, NR]
+            self.la = torch.zeros(num_slots, rp, in_features, nr, dtype=dtype)  # [S, RP, K, NR]
+            self.lb = torch.zeros(num_slots, num_panels, self.max_rank, nr, dtype=dtype)  # [S, NP, R, NR]
             self.spans = torch.zeros(num_slots, num_panels, 2, dtype=torch.int32)  # [S, NP, (t0, t1)]
             self.term = self.native.lora_term(self.packed, self.la, self.lb, self.ranks, self.spans)
         else:

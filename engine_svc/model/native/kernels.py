@@ -48,13 +48,14 @@ class LoraTerm(ctypes.Structure):
 
     _fields_ = [
         ("row_slot", ctypes.c_void_p),  # int32 [M]: the row's adapter slot, or -1
-        ("la", ctypes.c_void_p),  # float32 [S, RP, K, NR]: lora_A^T of every slot, NR ranks a panel
-        ("lb", ctypes.c_void_p),  # float32 [S, NP, RP * NR, NR]: lora_B^T x scale per weight panel
+        ("la", ctypes.c_void_p),  # [S, RP, K, NR]: lora_A^T of every slot, NR ranks a panel
+        ("lb", ctypes.c_void_p),  # [S, NP, RP * NR, NR]: lora_B^T x scale per weight panel
         ("ranks", ctypes.c_void_p),  # int32 [S]: ranks each slot uses
         ("spans", ctypes.c_void_p),  # int32 [S, NP, 2]: the ranks [t0, t1) each weight panel adds
         ("rp", ctypes.c_int),
         ("np", ctypes.c_int),
         ("xa", ctypes.c_void_p),  # float32 workspace, >= M x RP x NR
+        ("ldtype", ctypes.c_int),  # la and lb: float32 or bfloat16
     ]
     num_ranks = 0  # R = RP x NR, set by lora_term
 
@@ -163,11 +164,13 @@ class NativeKernels:
             raise ValueError("lora_term: ranks are int32, one per slot")
         if spans.dtype != torch.int32 or spans.shape != (num_slots, num_panels, 2):
             raise ValueError("lora_term: spans are int32 [slots, weight panels, 2]")
-        if la.dtype != torch.float32 or lb.dtype != torch.float32:
-            raise ValueError("lora_term: la and lb are float32")
+        if la.dtype != lb.dtype or la.dtype not in DTYPE_CODES:
+            raise ValueError("lora_term: la and lb are both float32 or both bfloat16")
         if la.shape != (num_slots, rp, w.in_features, nr) or lb.shape != (num_slots, num_panels, rp * nr, nr):
             raise ValueError(f"lora_term: la {tuple(la.shape)} / lb {tuple(lb.shape)} do not fit the weight")
-        term = LoraTerm(None, la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), rp, num_panels, None)
+        term = LoraTerm(
+            None, la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), rp, num_panels, None, _code(la)
+        )
         term.num_ranks = rp * nr  # R: a row's floats in the workspace
         return term
 
