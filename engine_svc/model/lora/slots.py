@@ -10,7 +10,8 @@ stacked along the ranks (q, k and v: up to 3r of them), their lora_B^T x scale w
 part's columns where the module's output has them, and the ranks each slot uses (its
 parts' ranks, summed). On the PyTorch path ``la`` is [S, R, K] and ``lb`` [S, R, N]; on the
 native GEMM both are in panels of NR (gemm_lora.h): ``la`` [S, R/NR, K, NR] and ``lb``
-[S, panels, R, NR] in the packed weight's column order.
+[S, panels, R, NR] in the packed weight's column order, in the model's dtype (a bfloat16
+model's adapters are read at half the bytes; the products are float32 either way).
 
 A step whose rows use no adapter runs the base layers alone (``begin_step(None)``): the
 wrappers cost one attribute read. Otherwise every row has a slot (-1: the base model) and:
