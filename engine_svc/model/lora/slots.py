@@ -9,8 +9,8 @@ Each wrapped module keeps one stack per kind, shared by all slots: the parts' lo
 stacked along the ranks (q, k and v: up to 3r of them), their lora_B^T x scale with each
 part's columns where the module's output has them, and the ranks each slot uses (its
 parts' ranks, summed). On the PyTorch path ``la`` is [S, R, K] and ``lb`` [S, R, N]; on the
-native GEMM both are in panels of NR (gemm_lora.h): ``la`` [S, R/NR, K, NR] and ``lb``
-[S, panels, R, NR] in the packed weight's column order, in the model's dtype (a bfloat16
+native GEMM (gemm_lora.h) ``la`` is [S, K, R] with R in whole vectors and ``lb`` [S, panels,
+R, NR] in the packed weight's column order, both in the model's dtype (a bfloat16
 model's adapters are read at half the bytes; the products are float32 either way).
 
 A step whose rows use no adapter runs the base layers alone (``begin_step(None)``): the
@@ -103,10 +103,10 @@ class LoraLinear(nn.Module):
         if self.native is not None and self.packed is not None:
             # gemm_lora.h's layout: ranks and columns in panels of NR.
             # In the model's dtype: a bfloat16 model's adapters are read at half the bytes.
-            nr, dtype = self.native.panel_width, self.packed.panels.dtype
-            rp, num_panels = -(-num_ranks // nr), self.native.panel_columns(self.packed) // nr
-            self.max_rank = rp * nr
-            self.la = torch.zeros(num_slots, rp, in_features, nr, dtype=dtype)  # [S, RP, K, NR]
+            nr, vl, dtype = self.native.panel_width, self.native.vector_width, self.packed.panels.dtype
+            num_panels = self.native.panel_columns(self.packed) // nr
+            self.max_rank = -(-num_ranks // vl) * vl  # whole vectors
+            self.la = torch.zeros(num_slots, in_features, self.max_rank, dtype=dtype)  # [S, K, R]
             self.lb = torch.zeros(num_slots, num_panels, self.max_rank, nr, dtype=dtype)  # [S, NP, R, NR]
             self.spans = torch.zeros(num_slots, num_panels, 2, dtype=torch.int32)  # [S, NP, (t0, t1)]
             self.term = self.native.lora_term(self.packed, self.la, self.lb, self.ranks, self.spans)
@@ -131,7 +131,7 @@ class LoraLinear(nn.Module):
     def write(self, slot: int, adapter: LoraAdapter, module: str) -> None:
         """Put ``adapter``'s parts for ``module`` into ``slot`` (zeros where it has none): its
         parts' A rows stacked, and their B columns where the parts' outputs are."""
-        la = torch.zeros(self.max_rank, self.la.shape[-2] if self.native else self.la.shape[-1])  # [R, K]
+        la = torch.zeros(self.max_rank, self.la.shape[1] if self.native else self.la.shape[-1])  # [R, K]
         lb = torch.zeros(self.max_rank, int(self.col_map.max()) + 1)  # [R, columns]
         offsets = [sum(self.part_widths[:i]) for i in range(len(self.part_widths))]
         spans: list[tuple[torch.Tensor, int, int]] = []  # (the part's columns, its ranks t0, t1)
@@ -144,8 +144,8 @@ class LoraLinear(nn.Module):
             spans.append((cols, r0, r1))
             r0 = r1
         if self.native is not None:
-            rp, k, nr = self.la.shape[1:]
-            self.la[slot] = la.view(rp, nr, k).transpose(1, 2)
+            nr = self.lb.shape[-1]
+            self.la[slot] = la.T
             num_panels = self.lb.shape[1]
             lb = torch.nn.functional.pad(lb, (0, num_panels * nr - lb.shape[1]))
             self.lb[slot] = lb.view(self.max_rank, num_panels, nr).transpose(0, 1)

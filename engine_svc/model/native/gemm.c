@@ -303,7 +303,7 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
             }
         }
         if (lora) { /* every row's down-projection, before any tile adds it */
-            float *buf = adtype == TK_BF16 ? malloc(sizeof(float) * MR * (size_t)K) : NULL;
+            float *buf = adtype == TK_BF16 ? malloc(sizeof(float) * LORA_MR * (size_t)K) : NULL;
             if (adtype == TK_BF16 && buf == NULL) {
 #pragma omp atomic write
                 failed = 1;

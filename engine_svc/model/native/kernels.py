@@ -48,22 +48,21 @@ class LoraTerm(ctypes.Structure):
 
     _fields_ = [
         ("row_slot", ctypes.c_void_p),  # int32 [M]: the row's adapter slot, or -1
-        ("la", ctypes.c_void_p),  # [S, RP, K, NR]: lora_A^T of every slot, NR ranks a panel
-        ("lb", ctypes.c_void_p),  # [S, NP, RP * NR, NR]: lora_B^T x scale per weight panel
+        ("la", ctypes.c_void_p),  # [S, K, R]: lora_A^T of every slot
+        ("lb", ctypes.c_void_p),  # [S, NP, R, NR]: lora_B^T x scale per weight panel
         ("ranks", ctypes.c_void_p),  # int32 [S]: ranks each slot uses
         ("spans", ctypes.c_void_p),  # int32 [S, NP, 2]: the ranks [t0, t1) each weight panel adds
-        ("rp", ctypes.c_int),
+        ("r", ctypes.c_int),  # R: ranks, a whole number of vectors
         ("np", ctypes.c_int),
-        ("xa", ctypes.c_void_p),  # float32 workspace, >= M x RP x NR
+        ("xa", ctypes.c_void_p),  # float32 workspace, >= M x R
         ("ldtype", ctypes.c_int),  # la and lb: float32 or bfloat16
     ]
-    num_ranks = 0  # R = RP x NR, set by lora_term
 
     def for_rows(self, row_slot: torch.Tensor, xa: torch.Tensor) -> LoraTerm:
         """This term for a step's rows: ``row_slot`` int32 [M] (slots below S, the caller's
-        promise), ``xa`` a float32 workspace of at least M x RP x NR; both contiguous."""
-        if xa.numel() < row_slot.shape[0] * self.num_ranks:
-            raise ValueError("lora term: the workspace holds fewer than M x RP x NR floats")
+        promise), ``xa`` a float32 workspace of at least M x R; both contiguous."""
+        if xa.numel() < row_slot.shape[0] * self.r:
+            raise ValueError("lora term: the workspace holds fewer than M x R floats")
         self.row_slot, self.xa = row_slot.data_ptr(), xa.data_ptr()
         return self
 
@@ -154,11 +153,11 @@ class NativeKernels:
         self, w: PackedWeight, la: torch.Tensor, lb: torch.Tensor, ranks: torch.Tensor, spans: torch.Tensor
     ) -> LoraTerm:
         """The ``lora`` argument of ``gemm`` for weight ``w`` (see ``LoraTerm``), its rows
-        set by ``LoraTerm.for_rows``; every rank at most RP x NR and every span within them
-        are the caller's promise (the C code trusts them)."""
+        set by ``LoraTerm.for_rows``; every rank at most R and every span within them are the
+        caller's promise (the C code trusts them)."""
         _contiguous(la, lb, ranks, spans)
         nr = self.panel_width
-        num_slots, rp = la.shape[0], la.shape[1]
+        num_slots, r = la.shape[0], la.shape[-1]
         num_panels = self.panel_columns(w) // nr
         if ranks.dtype != torch.int32 or ranks.shape != (num_slots,):
             raise ValueError("lora_term: ranks are int32, one per slot")
@@ -166,13 +165,15 @@ class NativeKernels:
             raise ValueError("lora_term: spans are int32 [slots, weight panels, 2]")
         if la.dtype != lb.dtype or la.dtype not in DTYPE_CODES:
             raise ValueError("lora_term: la and lb are both float32 or both bfloat16")
-        if la.shape != (num_slots, rp, w.in_features, nr) or lb.shape != (num_slots, num_panels, rp * nr, nr):
+        if (
+            r % self.vector_width
+            or la.shape != (num_slots, w.in_features, r)
+            or lb.shape != (num_slots, num_panels, r, nr)
+        ):
             raise ValueError(f"lora_term: la {tuple(la.shape)} / lb {tuple(lb.shape)} do not fit the weight")
-        term = LoraTerm(
-            None, la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), rp, num_panels, None, _code(la)
+        return LoraTerm(
+            None, la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), r, num_panels, None, _code(la)
         )
-        term.num_ranks = rp * nr  # R: a row's floats in the workspace
-        return term
 
     def gemm(self, x: torch.Tensor, w: PackedWeight, lora: LoraTerm | None = None) -> torch.Tensor:
         """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype;
