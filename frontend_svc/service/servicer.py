@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import replace
 
 import grpc
 
@@ -104,7 +105,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             call = self.calls.enter(context)
             tokenizer, info = self.generation.ready()
             check_sizes(convert.request_sizes(request), self.limits, info)
-            plan = await self._off_loop(request, self._plan, request, tokenizer, info)
+            lora_name = await self.generation.lora_name(request.model)
+            plan = await self._off_loop(request, self._plan, request, tokenizer, info, lora_name)
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
             pieces = self.generation.stream(plan, stats, context.add_done_callback)
@@ -131,8 +133,11 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             except grpc.aio.InternalError as e:
                 raise call_over(e) from e
 
-    def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
-        return plan_generate(convert.generate_input(request), tokenizer, info, self.limits, self.generation.parsers)
+    def _plan(
+        self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo, lora_name: str | None
+    ) -> Plan:
+        gen = replace(convert.generate_input(request), lora_name=lora_name)
+        return plan_generate(gen, tokenizer, info, self.limits, self.generation.parsers)
 
     # -- unary RPCs ---------------------------------------------------------------------------
 
@@ -184,6 +189,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 info,
                 has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
                 num_engines=self.router.num_connected,
+                lora_adapters=self.router.lora_adapters,
             )
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
 
