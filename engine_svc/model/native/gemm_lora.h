@@ -80,22 +80,27 @@ static inline __attribute__((always_inline)) void lora_down_tile(
     default: lora_down_tile(mr, 1, __VA_ARGS__); break;            \
     }
 
-/* The micro-tile for a literal row count (so its accumulators stay in registers). */
-#define LORA_TILE(mr, a, lda, panel, pd, kc, c)                                                \
-    switch (mr) {                                                                           \
-    case 12: micro_tile(12, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;     \
-    case 11: micro_tile(11, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;     \
-    case 10: micro_tile(10, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;     \
-    case 9: micro_tile(9, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    case 8: micro_tile(8, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    case 7: micro_tile(7, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    case 6: micro_tile(6, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    case 5: micro_tile(5, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    case 4: micro_tile(4, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    case 3: micro_tile(3, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    case 2: micro_tile(2, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;       \
-    default: micro_tile(1, a, lda, panel, pd, kc, c, 0, (const char *)(panel)); break;      \
+/* The micro-tile for a literal row count (so its accumulators stay in registers); cases
+ * above MR only where MR allows them (an AVX2 build's tile has 6 rows). */
+static inline void lora_tile(int mr, const float *a, int lda, const void *panel, int pd, int kc, float *c) {
+    const char *pf = (const char *)panel;
+    switch (mr) {
+#if MR > 6
+    case 12: micro_tile(12, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 11: micro_tile(11, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 10: micro_tile(10, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 9: micro_tile(9, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 8: micro_tile(8, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 7: micro_tile(7, a, lda, panel, pd, kc, c, 0, pf); break;
+#endif
+    case 6: micro_tile(6, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 5: micro_tile(5, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 4: micro_tile(4, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 3: micro_tile(3, a, lda, panel, pd, kc, c, 0, pf); break;
+    case 2: micro_tile(2, a, lda, panel, pd, kc, c, 0, pf); break;
+    default: micro_tile(1, a, lda, panel, pd, kc, c, 0, pf); break;
     }
+}
 
 /* The end of the run of rows from m0 that share m0's slot, at most ``most`` rows. */
 static inline int lora_run_end(const tk_lora *l, int m0, int m1, int most) {
@@ -141,7 +146,7 @@ static void lora_up_tile(const tk_lora *l, int m0, int m1, int p, float *cs) {
         const int32_t *span = s >= 0 ? l->spans + ((size_t)s * l->np + p) * 2 : NULL;
         if (span != NULL && span[1] > span[0]) {
             const void *panel = lora_at(l, l->lb, (((size_t)s * l->np + p) * l->r + span[0]) * NR);
-            LORA_TILE(e - m, l->xa + (size_t)m * l->r + span[0], l->r, panel, l->ldtype, span[1] - span[0],
+            lora_tile(e - m, l->xa + (size_t)m * l->r + span[0], l->r, panel, l->ldtype, span[1] - span[0],
                       cs + (size_t)(m - m0) * NR);
         }
         m = e;
