@@ -31,9 +31,10 @@ from engine_svc.model.attention import AttentionMetadata, KVCache, flat_position
 from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.gguf_quantized import read_quantized_linears
+from engine_svc.model.hf_quantized import quantization_scheme
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import Transformer
-from engine_svc.model.loader import load_model, read_config, read_special_token_ids, resolve_dtype
+from engine_svc.model.loader import load_model, quantized_linears, read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
@@ -91,7 +92,7 @@ class ModelRunner:
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
-        prequantized = self._gguf_quantized(model_dir, build, quantization)
+        prequantized, source = self._prequantized(model_dir, build, quantization)
         model, args = load_model(model_dir, self.device, self.dtype, kept_modules=prequantized or ())
         backend = install_backend(
             model,
@@ -102,34 +103,41 @@ class ModelRunner:
             batch_size_hint=batch_size_hint,
             quantization=quantization if quantization in ("int8", "int4") else None,
             prequantized=prequantized,
+            prequantized_source=source,
         )
         return model, args, backend
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:
-        """``--dtype``; ``auto`` on a GGUF file whose quantized layers stay quantized is float32:
-        the quantized GEMM computes in float32 whatever the activations' dtype, so bfloat16
-        would only round them (enough, on SmolLM2, to turn a near tie of its first answer
-        token the wrong way)."""
+        """``--dtype``; ``auto`` on a quantized checkpoint (a GGUF file, GPTQ / AWQ /
+        compressed-tensors) whose layers stay quantized is float32: the quantized GEMM
+        computes in float32 whatever the activations' dtype, so bfloat16 would only round
+        them (enough, on SmolLM2, to turn a near tie of its first answer token the wrong way)."""
         if dtype == "auto" and self.device.type == "cpu" and quantization in (None, "auto"):
-            if gguf_source(model_dir) is not None:
-                logger.info("dtype auto: float32, because a GGUF file's quantized layers compute in float32")
+            if gguf_source(model_dir) is not None or quantization_scheme(read_config(model_dir)) is not None:
+                logger.info("dtype auto: float32, because a quantized checkpoint's layers compute in float32")
                 return torch.float32
         return resolve_dtype(dtype, self.device)
 
     @staticmethod
-    def _gguf_quantized(
+    def _prequantized(
         model_dir: str, build: KernelBuild, quantization: str | None
-    ) -> dict[str, QuantizedWeight] | None:
-        """A GGUF file's quantized blocks as they are (``--quantization auto``, the default,
-        where the native kernels run; read first, so those layers are never dequantized);
-        else its weights are dequantized."""
+    ) -> tuple[dict[str, QuantizedWeight] | None, str]:
+        """A quantized checkpoint's layers as they are, and what kind it is: a GGUF file's
+        blocks, or a GPTQ / AWQ / compressed-tensors directory's integers (``--quantization
+        auto``, the default, where the native kernels run; read first, so those layers are
+        never dequantized); else None, and its weights are dequantized at load. A format the
+        engine cannot serve is refused here, by name."""
         gguf_path = gguf_source(model_dir)
-        if gguf_path is None or quantization not in (None, "auto"):
-            return None
+        scheme = quantization_scheme(read_config(model_dir)) if gguf_path is None else None
+        if (gguf_path is None and scheme is None) or quantization not in (None, "auto"):
+            return None, ""
+        source = "gguf" if scheme is None else scheme.method
         if build.result() is None:  # waits for the kernels: the quantized GEMM is theirs
-            logger.info("GGUF weights dequantized to the serving dtype: the quantized GEMM needs the native kernels")
-            return None
-        return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir)))
+            logger.info("%s weights dequantized to the serving dtype: the quantized GEMM needs native kernels", source)
+            return None, ""
+        if gguf_path is not None:
+            return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir))), source
+        return quantized_linears(model_dir), source
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
