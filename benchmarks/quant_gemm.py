@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every layer its own weights, as in a model: a pass streams them from memory, not cache.
     layers = [(name, torch.randn(n, k) * 0.05) for _ in range(NUM_LAYERS) for name, (n, k) in SHAPES.items()]
     packed = [(name, kernels.pack(w, None, dtype)) for name, w in layers]
-    quantized = {f: [(name, kernels.qpack(QUANTIZERS[f](w))) for name, w in layers] for f in args.formats}
+    qpack = getattr(kernels, "qpack", lambda w: w)  # checkouts before the panel layout took QuantizedWeight
+    quantized = {f: [(name, qpack(QUANTIZERS[f](w))) for name, w in layers] for f in args.formats}
     del layers
     features = cpu_features()
     print(f"{features.model_name}; build {kernels.isa}; {args.threads} thread(s), {args.clock} time, x {args.dtype}")

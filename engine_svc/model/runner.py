@@ -141,8 +141,8 @@ class ModelRunner:
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
-        depend on it: the native kernels never split a sum across threads."""
-        return ThreadGovernor(torch.get_num_threads()) if self.matmuls == "native" else None
+        depend on it: the native kernels, float or quantized, never split a sum across threads."""
+        return ThreadGovernor(torch.get_num_threads()) if self.matmuls not in ("onednn", "torch") else None
 
     def _resolve_max_model_len(self, max_model_len: int | None) -> int:
         """``--max-model-len``, capped at the model's ``max_position_embeddings``."""
