@@ -19,6 +19,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from engine_svc.model.layers import MLP
 from engine_svc.model.llama import Transformer
@@ -41,11 +42,26 @@ class QuantizedLinear(nn.Module):
         self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_p)
+        return self.kernels.qgemm(_rows(x), self.weight_p)
+
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b: for a gate/up weight both halves, [gate | up], before SiLU-and-multiply
+        (a LoRA adapter adds its term there: model/lora/slots.py)."""
+        return self.kernels.qgemm(_rows(x), self.weight_p, pre_activation=True)
+
+    def activate(self, y: torch.Tensor) -> torch.Tensor:
+        if not self.silu_mul:
+            return y
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def extra_repr(self) -> str:
         w = self.weight_p
         return f"in_features={w.in_features}, out_features={w.out_features}, bits={w.bits}, silu_mul={self.silu_mul}"
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous() if x.stride(-1) != 1 else x
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:

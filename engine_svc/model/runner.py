@@ -36,6 +36,7 @@ from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import load_model, quantized_linears, read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
+from engine_svc.model.lora import LoraSlots
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
 from engine_svc.model.spec import VerifyRows
@@ -66,6 +67,8 @@ class ModelRunner:
         batch_size_hint: int = 64,
         max_num_seqs: int = 128,
         quantization: str | None = None,
+        lora_slots: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = self._resolve_dtype(dtype, model_dir, quantization)
@@ -73,6 +76,7 @@ class ModelRunner:
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
         self.native_prefill = backend.native_prefill
+        self.lora = self._lora_slots(lora_slots, max_lora_rank)
         self.threads = self._thread_governor()
         self.step_work = StepWork.of_model(self.model_args)
         self.vocab_size = self.model_args.vocab_size
@@ -138,6 +142,13 @@ class ModelRunner:
         if gguf_path is not None:
             return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir))), source
         return quantized_linears(model_dir), source
+
+    def _lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots | None:
+        """Slots for LoRA adapters around the backend's layers (model/lora/), or None: a
+        model without them runs exactly as before."""
+        if num_slots <= 0:
+            return None
+        return LoraSlots(self.model, self.kernels, num_slots=num_slots, max_rank=max_rank)
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
@@ -216,9 +227,13 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return output
         # The batch order is the runner's alone (outputs are keyed by request id): decodes
-        # first, sorted by context length so that neighbours in a decode group pad little,
-        # then prefill chunks.
-        decodes = sorted((s for s in scheduler_output.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.start)
+        # first, sorted by context length so that neighbours in a decode group pad little
+        # (by LoRA adapter first, so that each adapter's rows are one run in the GEMM's LoRA
+        # term), then prefill chunks.
+        decodes = sorted(
+            (s for s in scheduler_output.scheduled if s.num_scheduled_tokens == 1),
+            key=lambda s: (-1 if s.request.lora_slot is None else s.request.lora_slot, s.start),
+        )
         chunks = [s for s in scheduler_output.scheduled if s.num_scheduled_tokens != 1]
         batch = decodes + chunks
 
@@ -230,7 +245,7 @@ class ModelRunner:
         # Each request with drafts samples at its last real row and at every draft row.
         verify = VerifyRows.of(batch, sample_rows, sample_requests, self.sampler.state.grammars.num_valid_drafts)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+            hidden = self._forward(batch, input_ids, positions, meta)  # [num_tokens, hidden]
             if verify.rows:
                 logits = self._logits(hidden, verify.rows)  # [num_sampled, vocab] float32
                 sampled = self.sampler.sample(logits, verify.views)
@@ -246,6 +261,18 @@ class ModelRunner:
         if self.threads is not None:
             self.threads.after_step(time.perf_counter() - t0, self.step_work.of(batch))
         return output
+
+    def _forward(
+        self, batch: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The decoder over the step's tokens; each row adds its request's LoRA adapter, if any."""
+        if self.lora is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        self.lora.begin_step(lora_rows(batch))
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            self.lora.end_step()
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """LM head over the given rows of ``hidden`` only: [len(rows), vocab] float32."""
@@ -296,6 +323,17 @@ class ModelRunner:
         logger.info("warmup step done")
 
 
+def lora_rows(batch: list[ScheduledRequest]) -> list[int] | None:
+    """Each row's LoRA slot (-1: the base model), in batch order; None if no row has one."""
+    if all(s.request.lora_slot is None for s in batch):
+        return None
+    rows: list[int] = []
+    for s in batch:
+        slot = s.request.lora_slot
+        rows += [-1 if slot is None else slot] * s.num_scheduled_tokens
+    return rows
+
+
 @dataclass(frozen=True)
 class StepWork:
     """A step's modelled arithmetic, the thread governor's unit of work: the linear layers
@@ -332,6 +370,7 @@ class _WarmupRequest:
     eos_token_ids: tuple[int, ...] = ()
     num_prompt_logprobs_done: int = 0
     grammar: object | None = None
+    lora_slot: int | None = None
 
     @property
     def all_token_ids(self) -> Sequence[int]:

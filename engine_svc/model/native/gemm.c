@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "gemm_bf16.h"
+#include "gemm_lora.h" /* its types; its code after gemm_tile.h */
 #include "gemm_tile.h" /* MR, NR, KC and the micro-tile, shared with quant.c */
 #include "tandem_kernels.h"
 
@@ -62,6 +63,8 @@ void tk_gemm_pack(const void *w, int wdtype, int N, int K, int pairs, void *out,
     }
 }
 
+#include "gemm_lora.h" /* the LoRA term, on the micro-tile */
+
 typedef struct {
     const void *a; /* float32 A (converted when the caller's A is bfloat16), or bfloat16 pairs (dp) */
     int lda;
@@ -74,6 +77,7 @@ typedef struct {
     int ldc, cdtype;
     int N, K; /* N: columns of C; K: of A, rounded up to pairs where dp */
     int epilogue;
+    const tk_lora *lora; /* a LoRA term per row (gemm_lora.h), or NULL */
 } gemm_args;
 
 /* cs [rows][NR] = A[m0..m1) @ panel p, K in slices of KC so that the panel's slice stays
@@ -141,6 +145,10 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
         float *gate = cs, *up = cs + (size_t)rows * NR;
         BLOCK_TIMES_PANEL(g, m0, m1, 2 * q, gate);
         BLOCK_TIMES_PANEL(g, m0, m1, 2 * q + 1, up);
+        if (g->lora) { /* before SiLU: the adapter changes the gate and up projections */
+            lora_up_tile(g->lora, m0, m1, 2 * q, gate);
+            lora_up_tile(g->lora, m0, m1, 2 * q + 1, up);
+        }
         const float *bg = g->bias ? g->bias + (size_t)(2 * q) * NR : NULL, *bu = bg ? bg + NR : NULL;
         for (int r = 0; r < rows; r++) {
             float *gr = gate + (size_t)r * NR;
@@ -150,6 +158,7 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
         return;
     }
     BLOCK_TIMES_PANEL(g, m0, m1, q, cs);
+    if (g->lora) lora_up_tile(g->lora, m0, m1, q, cs);
     for (int r = 0; r < rows; r++) {
         float *cr = cs + (size_t)r * NR;
         if (g->bias)
@@ -159,10 +168,11 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
 }
 
 /* Returns 0, 1 if scratch memory could not be allocated, or 2 on a bad argument. ws: M * K
- * floats when adtype is bfloat16. With TK_BF16_DP, bfloat16 panels take bfloat16 A only (the
- * products are of bfloat16 pairs; ws then holds A's rows in the pair layout). */
+ * floats when adtype is bfloat16; lora: a LoRA term per row (gemm_lora.h), or NULL. With
+ * TK_BF16_DP, bfloat16 panels take bfloat16 A only (the products are of bfloat16 pairs; ws
+ * then holds A's rows in the pair layout). */
 int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, const float *bias, void *c, int ldc,
-            int cdtype, int M, int N, int K, int epilogue, float *ws, int num_threads) {
+            int cdtype, int M, int N, int K, int epilogue, float *ws, const tk_lora *lora, int num_threads) {
     if (M < 0 || N <= 0 || K <= 0 || (epilogue != EPI_NONE && epilogue != EPI_SILU_MUL)) return 2;
     if (M == 0) return 0;
     if (adtype == TK_BF16 && ws == NULL) return 2;
@@ -183,6 +193,7 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
         .N = N,
         .K = dp ? kp : K,
         .epilogue = epilogue,
+        .lora = lora,
     };
     const int num_tiles = (N + NR - 1) / NR;
     /* Rows per block: A's block stays within ~384 KiB of L2. */
@@ -213,6 +224,17 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
                 float *dst = ws + (size_t)m * K;
                 for (int k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
             }
+        }
+        if (lora) { /* every row's down-projection, before any tile adds it */
+            float *buf = adtype == TK_BF16 ? malloc(sizeof(float) * LORA_MR * (size_t)K) : NULL;
+            if (adtype == TK_BF16 && buf == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; m += MR)
+                if (adtype != TK_BF16 || buf != NULL) lora_down_rows(lora, a, lda, adtype, K, m, m + MR < M ? m + MR : M, buf);
+            free(buf);
         }
         for (;;) {
             int item;
