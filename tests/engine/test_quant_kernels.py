@@ -94,6 +94,11 @@ def test_gate_up_epilogue_and_bias(kernels, rows):
     torch.testing.assert_close(kernels.qgemm(x, packed), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
     plain = kernels.qpack(qw, bias)
     torch.testing.assert_close(kernels.qgemm(x, plain), h, atol=1e-5 * h.abs().max().item(), rtol=1e-5)
+    # Before the epilogue (where a LoRA adapter adds its term): [gate | up] from the paired panels.
+    both = kernels.qgemm(x, packed, pre_activation=True)
+    assert both.shape == h.shape
+    torch.testing.assert_close(both, h, atol=1e-5 * h.abs().max().item(), rtol=1e-5)
+    assert torch.equal(kernels.qgemm(x, plain, pre_activation=True), kernels.qgemm(x, plain))
     xb = x.bfloat16()  # bfloat16: the product rounded once, then torch's bfloat16 SiLU and multiply
     hb = F.linear(xb.float(), qw.dequantize(), bias).bfloat16()
     want_b = F.silu(hb[:, :inter]) * hb[:, inter:]
