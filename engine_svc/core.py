@@ -235,7 +235,18 @@ class EngineCore:
         )
 
     def warmup(self) -> None:
+        """A first step, then, with speculative decoding, the step costs its adaptive rule
+        weighs (timed dummy steps: a few seconds)."""
         self.runner.warmup()
+        sched, speculator = self.scheduler, self.scheduler.speculator
+        if speculator is not None:
+            max_rows = sched.max_num_seqs * (1 + speculator.config.num_speculative_tokens)
+            speculator.calibrate(
+                self.runner.time_steps,
+                self.runner.time_draft_passes if speculator.uses_draft_model else None,
+                max_rows=min(sched.max_num_batched_tokens, max_rows),
+                max_seqs=sched.max_num_seqs,
+            )
 
     def model_info(self) -> ModelInfo:
         runner = self.runner

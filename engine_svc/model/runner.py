@@ -37,7 +37,7 @@ from engine_svc.model.loader import load_model, read_config, read_special_token_
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
-from engine_svc.model.spec import VerifyRows
+from engine_svc.model.spec import VerifyRows, attention_rows
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import SamplingParams
@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 # Prompt rows per LM-head call when prompt logprobs are asked for; bounds the logits
 # tensor to PROMPT_LOGITS_CHUNK x vocab float32.
 PROMPT_LOGITS_CHUNK = 512
+# Timing dummy steps for speculative decoding's cost model (``time_steps``): the context
+# each dummy row attends to, and the most seconds spent on it.
+CALIBRATION_CONTEXT = 256
+CALIBRATION_BUDGET_S = 8.0
 
 
 class ModelRunner:
@@ -208,10 +212,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return output
         # The batch order is the runner's alone (outputs are keyed by request id): decodes
-        # first, sorted by context length so that neighbours in a decode group pad little,
-        # then prefill chunks.
-        decodes = sorted((s for s in scheduler_output.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.start)
-        chunks = [s for s in scheduler_output.scheduled if s.num_scheduled_tokens != 1]
+        # (with their drafts, which attend as decode rows: model/spec/layout.py) first,
+        # sorted by context length so that neighbours in a decode group pad little, then
+        # prefill chunks.
+        decodes = sorted((s for s in scheduler_output.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
+        chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
         batch = decodes + chunks
 
         t0 = time.perf_counter()
@@ -235,8 +240,10 @@ class ModelRunner:
                     logits = self._logits(hidden, job.rows[i : i + PROMPT_LOGITS_CHUNK])
                     targets = job.target_token_ids[i : i + PROMPT_LOGITS_CHUNK]
                     entries += self.sampler.prompt_logprobs(logits, targets, job.num_top)
+        seconds = time.perf_counter() - t0
         if self.threads is not None:
-            self.threads.after_step(time.perf_counter() - t0, self.step_work.of(batch))
+            self.threads.after_step(seconds, self.step_work.of(batch))
+        output.execute_s = seconds
         return output
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -245,17 +252,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index)).float()
 
     def _prepare_inputs(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        query_lens = [s.num_scheduled_tokens for s in batch]
-        starts = [s.start for s in batch]
+        query_lens, starts, block_tables = attention_rows(batch)
         token_ids: list[int] = []
-        for s, start in zip(batch, starts):
-            token_ids += s.request.all_token_ids[start : start + s.num_new_tokens]
+        for s in batch:
+            token_ids += s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
             token_ids += s.draft_token_ids
         positions = flat_positions(query_lens, starts)  # [num_tokens], CPU
         meta = AttentionMetadata.build(
             query_lens,
             starts,
-            [s.block_ids for s in batch],
+            block_tables,
             positions=positions,
             block_size=self.block_size,
             device=self.device,
@@ -286,6 +292,37 @@ class ModelRunner:
         self.execute(SchedulerOutput(scheduled=scheduled))
         self.sampler.forget([s.request.request_id for s in scheduled])
         logger.info("warmup step done")
+
+    def time_steps(self, sizes: list[int], repeats: int = 2) -> list[tuple[int, float]]:
+        """(rows, seconds) of dummy decode steps of each of ``sizes`` rows, the fastest of
+        ``repeats`` rounds (a round over every size, so that a burst of other work on the
+        machine spoils one measurement of a size, not all), within CALIBRATION_BUDGET_S:
+        sizes not reached are left out. Each row attends to CALIBRATION_CONTEXT tokens, in
+        the first KV blocks, which every row shares: call before serving, like warmup."""
+        context = min(CALIBRATION_CONTEXT, self.max_model_len - 1, self.num_kv_blocks * self.block_size - 1)
+        if context < 1:
+            return []
+        block_ids = list(range(-(-(context + 1) // self.block_size)))
+        token = self.bos_token_id if self.bos_token_id is not None and self.bos_token_id < self.vocab_size else 0
+        best: dict[int, float] = {}
+        start = time.perf_counter()
+        for round_ in range(repeats):
+            for n in sizes:
+                if time.perf_counter() - start > CALIBRATION_BUDGET_S * (round_ + 1) / repeats:
+                    break
+                scheduled = [
+                    ScheduledRequest(_WarmupRequest(f"calibrate-{i}", [token] * (context + 1), context), 1, block_ids)
+                    for i in range(n)
+                ]
+                seconds = self.execute(SchedulerOutput(scheduled=scheduled)).execute_s
+                best[n] = min(seconds, best.get(n, seconds))
+                self.sampler.forget([s.request.request_id for s in scheduled])
+        return sorted(best.items())
+
+    def time_draft_passes(self, sizes: list[int]) -> list[tuple[int, float]]:
+        """(rows, seconds) of the draft model's passes of each of ``sizes`` rows; none
+        without a draft model."""
+        return []
 
 
 @dataclass(frozen=True)

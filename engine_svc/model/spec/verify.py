@@ -34,13 +34,16 @@ from engine_svc.types import Logprob, RequestView, SamplingParams
 
 class PositionView:
     """``request`` as the sampler sees it at a draft row: ``draft_token_ids`` appended
-    to its output tokens. Read-only, like every ``RequestView``."""
+    to its output tokens. Read-only, like every ``RequestView``; the joined token lists
+    are built on first use only (most rows never read them) and kept."""
 
-    __slots__ = ("_request", "_drafts")
+    __slots__ = ("_request", "_drafts", "_output", "_all")
 
     def __init__(self, request: RequestView, draft_token_ids: Sequence[int]) -> None:
         self._request = request
-        self._drafts = list(draft_token_ids)
+        self._drafts = draft_token_ids
+        self._output: list[int] | None = None
+        self._all: list[int] | None = None
 
     @property
     def draft_base(self) -> RequestView:
@@ -62,11 +65,15 @@ class PositionView:
 
     @property
     def output_token_ids(self) -> Sequence[int]:
-        return list(self._request.output_token_ids) + self._drafts
+        if self._output is None:
+            self._output = [*self._request.output_token_ids, *self._drafts]
+        return self._output
 
     @property
     def all_token_ids(self) -> Sequence[int]:
-        return list(self._request.all_token_ids) + self._drafts
+        if self._all is None:
+            self._all = [*self._request.all_token_ids, *self._drafts]
+        return self._all
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -105,7 +112,8 @@ class PositionView:
 class _Group:
     request: RequestView
     first: int  # index of its first row in VerifyRows.rows
-    draft_token_ids: list[int]
+    draft_token_ids: list[int]  # the ones verified: an output constraint may have cut some
+    num_scheduled_drafts: int
 
 
 @dataclass
@@ -137,10 +145,11 @@ class VerifyRows:
         views: list[RequestView] = []
         groups: list[_Group] = []
         for row, request in zip(sample_rows, sample_requests):
-            draft_token_ids = drafts.get(request.request_id, [])
+            scheduled = drafts.get(request.request_id, [])
+            draft_token_ids = scheduled
             if draft_token_ids and request.grammar is not None:
                 draft_token_ids = draft_token_ids[: num_valid_drafts(request, draft_token_ids)]
-            groups.append(_Group(request, len(rows), draft_token_ids))
+            groups.append(_Group(request, len(rows), draft_token_ids, len(scheduled)))
             rows.append(row)
             views.append(request)
             for j in range(1, len(draft_token_ids) + 1):
@@ -156,6 +165,8 @@ class VerifyRows:
             token_ids = sampled.token_ids[g.first : g.first + 1 + len(g.draft_token_ids)]
             logprobs = sampled.logprobs[g.first : g.first + 1 + len(g.draft_token_ids)]
             output.sampled_token_ids[request_id] = token_ids[0]
+            if g.num_scheduled_drafts:
+                output.spec_num_drafts[request_id] = len(g.draft_token_ids)
             if not g.draft_token_ids:
                 if logprobs[0] is not None:
                     output.logprobs[request_id] = logprobs[0]
