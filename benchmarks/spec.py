@@ -1,7 +1,7 @@
 """Speculative decoding: output tokens/s with and without drafts, by concurrency.
 
     python -m benchmarks.spec [--model GGUF_OR_DIR] [--concurrency 1 4 16 64]
-        [--speculative-config JSON] [--num-requests N] [--repeats R] [--json OUT]
+        [--speculative-config JSON] [--quantization Q] [--num-requests N] [--repeats R] [--json OUT]
 
 For each workload (``copy_heavy``: rewrite, extract, quote, repeat and continue-the-code
 tasks; ``open_chat``: the control; both in benchmarks/workloads/, written by
@@ -36,14 +36,21 @@ SMOLLM2 = Path.home() / ".cache" / "tandem" / "smollm2-135m-instruct-v1" / "Smol
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 
 
-def build_core(model: str | None, spec_json: str | None, max_num_seqs: int, dtype: str):
+def build_core(model: str | None, spec_json: str | None, max_num_seqs: int, dtype: str, quantization: str = "auto"):
     from engine_svc.config import EngineConfig
     from engine_svc.core import EngineCore
     from engine_svc.sched.spec import SpeculativeConfig
 
     spec = None if spec_json is None else SpeculativeConfig.from_json(spec_json)
     core = EngineCore(
-        EngineConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs, speculative_config=spec, max_waiting=4096)
+        EngineConfig(
+            model=model,
+            dtype=dtype,
+            quantization=quantization,
+            max_num_seqs=max_num_seqs,
+            speculative_config=spec,
+            max_waiting=4096,
+        )
     )
     core.warmup()
     return core
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(SMOLLM2) if SMOLLM2.exists() else None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="auto", help="the target's weights, as the engine's --quantization")
     p.add_argument("--speculative-config", default=DEFAULT_SPEC)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-requests", type=int, default=8, help="at least this many requests per point")
@@ -148,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
 
     max_seqs = max(args.concurrency)
-    cores = {"off": build_core(args.model, None, max_seqs, args.dtype)}
-    cores["on"] = build_core(args.model, args.speculative_config, max_seqs, args.dtype)
-    print(f"model: {cores['off'].model_name}; spec: {args.speculative_config}", flush=True)
+    cores = {"off": build_core(args.model, None, max_seqs, args.dtype, args.quantization)}
+    cores["on"] = build_core(args.model, args.speculative_config, max_seqs, args.dtype, args.quantization)
+    print(
+        f"model: {cores['off'].model_name} ({cores['off'].runner.matmuls}); spec: {args.speculative_config}", flush=True
+    )
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores; load average {load_average()}", flush=True)
     costs = cores["on"].scheduler.speculator.step_costs.table()
     print("calibrated step ms by rows: " + " ".join(f"{n}:{1000 * t:.1f}" for n, t in costs.items()), flush=True)

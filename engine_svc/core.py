@@ -76,6 +76,7 @@ class EngineCore:
             batch_size_hint=config.max_num_seqs,
             max_num_seqs=config.max_num_seqs,
             quantization=config.quantization,
+            **_draft_model(config),
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -315,6 +316,14 @@ class EngineCore:
 
 
 _counter = itertools.count()
+
+
+def _draft_model(config: EngineConfig) -> dict:
+    """The runner's draft-model arguments (speculative decoding's ``draft_model`` method)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return {}
+    return {"draft_model": spec.model, "draft_quantization": spec.quantization}
 
 
 def _merge(completion: Completion, out: EngineOutput) -> None:

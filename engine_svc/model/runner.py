@@ -28,16 +28,15 @@ import torch
 
 from engine_svc.model.args import ModelArgs
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
-from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
+from engine_svc.model.backend import KernelBuild, ModelBackend
 from engine_svc.model.gguf_checkpoint import gguf_source
-from engine_svc.model.gguf_quantized import read_quantized_linears
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import Transformer
-from engine_svc.model.loader import load_model, read_config, read_special_token_ids, resolve_dtype
+from engine_svc.model.loader import read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
-from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
-from engine_svc.model.spec import VerifyRows, attention_rows
+from engine_svc.model.served import load_served_model
+from engine_svc.model.spec import DraftModel, VerifyRows, attention_rows
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import SamplingParams
@@ -69,6 +68,8 @@ class ModelRunner:
         batch_size_hint: int = 64,
         max_num_seqs: int = 128,
         quantization: str | None = None,
+        draft_model: str | None = None,
+        draft_quantization: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype = self._resolve_dtype(dtype, model_dir, quantization)
@@ -82,6 +83,7 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
         self.block_size = block_size
+        self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache()
         self.workspace = self._allocate_workspace()
@@ -95,19 +97,15 @@ class ModelRunner:
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
-        prequantized = self._gguf_quantized(model_dir, build, quantization)
-        model, args = load_model(model_dir, self.device, self.dtype, kept_modules=prequantized or ())
-        backend = install_backend(
-            model,
-            build.result(),
-            wanted=kernels,
+        return load_served_model(
+            model_dir,
+            build,
+            kernels=kernels,
             device=self.device,
             dtype=self.dtype,
             batch_size_hint=batch_size_hint,
-            quantization=quantization if quantization in ("int8", "int4") else None,
-            prequantized=prequantized,
+            quantization=quantization,
         )
-        return model, args, backend
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:
         """``--dtype``; ``auto`` on a GGUF file whose quantized layers stay quantized is float32:
@@ -120,20 +118,24 @@ class ModelRunner:
                 return torch.float32
         return resolve_dtype(dtype, self.device)
 
-    @staticmethod
-    def _gguf_quantized(
-        model_dir: str, build: KernelBuild, quantization: str | None
-    ) -> dict[str, QuantizedWeight] | None:
-        """A GGUF file's quantized blocks as they are (``--quantization auto``, the default,
-        where the native kernels run; read first, so those layers are never dequantized);
-        else its weights are dequantized."""
-        gguf_path = gguf_source(model_dir)
-        if gguf_path is None or quantization not in (None, "auto"):
+    def _load_drafter(
+        self, path: str | None, quantization: str, model_dir: str, kernels: str, batch_size_hint: int
+    ) -> DraftModel | None:
+        """Speculative decoding's draft model, where one is configured (``model/spec/drafter.py``)."""
+        if path is None:
             return None
-        if build.result() is None:  # waits for the kernels: the quantized GEMM is theirs
-            logger.info("GGUF weights dequantized to the serving dtype: the quantized GEMM needs the native kernels")
-            return None
-        return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir)))
+        return DraftModel(
+            path,
+            target_dir=model_dir,
+            target_vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            kernels=kernels,
+            batch_size_hint=batch_size_hint,
+            quantization=quantization,
+        )
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
@@ -163,6 +165,8 @@ class ModelRunner:
             head_dim=args.head_dim,
             dtype=self.dtype,
         )
+        if self.drafter is not None:  # its cache has a block for every one of the target's
+            block_bytes += self.drafter.bytes_per_block
         num_blocks = size_kv_cache(
             num_kv_blocks=num_kv_blocks,
             kv_cache_bytes=kv_cache_bytes,
@@ -185,6 +189,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_kv_blocks)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
             self.num_kv_blocks,
@@ -208,6 +214,8 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_request_ids)
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return output
@@ -222,15 +230,25 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.threads is not None:
             self.threads.before_step(scheduler_output.num_tokens)
+        # A draft model fills the scheduler's draft slots first (model/spec/drafter.py).
+        drafts = None if self.drafter is None else self.drafter.propose(batch, self.sampler)
+        if drafts is not None:
+            batch = drafts.batch
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
         # Each request with drafts samples at its last real row and at every draft row.
-        verify = VerifyRows.of(batch, sample_rows, sample_requests, self.sampler.state.grammars.num_valid_drafts)
+        verify = VerifyRows.of(
+            batch,
+            sample_rows,
+            sample_requests,
+            self.sampler.state.grammars.num_valid_drafts,
+            None if drafts is None else drafts.proposals,
+        )
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
             if verify.rows:
                 logits = self._logits(hidden, verify.rows)  # [num_sampled, vocab] float32
-                sampled = self.sampler.sample(logits, verify.views)
+                sampled = self.sampler.sample(logits, verify.views, verify.proposals)
                 output.errors.update(sampled.errors)
                 verify.accept(sampled, output)
             for job in logprob_jobs:
@@ -244,6 +262,10 @@ class ModelRunner:
         if self.threads is not None:
             self.threads.after_step(seconds, self.step_work.of(batch))
         output.execute_s = seconds
+        if drafts is not None and self.drafter is not None:
+            self.drafter.commit(drafts, output)
+            output.execute_s -= drafts.seconds
+            output.draft_passes = drafts.passes
         return output
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -320,9 +342,12 @@ class ModelRunner:
         return sorted(best.items())
 
     def time_draft_passes(self, sizes: list[int]) -> list[tuple[int, float]]:
-        """(rows, seconds) of the draft model's passes of each of ``sizes`` rows; none
-        without a draft model."""
-        return []
+        """(rows, seconds) of the draft model's passes of each of ``sizes`` rows, timed as
+        ``time_steps`` times steps; none without a draft model."""
+        if self.drafter is None:
+            return []
+        context = min(CALIBRATION_CONTEXT, self.max_model_len - 1, self.num_kv_blocks * self.block_size - 1)
+        return self.drafter.time_passes(sizes, context, CALIBRATION_BUDGET_S / 2) if context >= 1 else []
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ rejection sampling for a one-hot draft (Leviathan et al.): draft d is accepted w
 probability p(d), and on rejection the token is drawn from p with d excluded, which is
 norm(max(p - onehot(d), 0)). Every emitted token is therefore distributed (and, for a
 greedy or seeded row, chosen) exactly as without drafts; the token after the last
-accepted draft is the normal sampler's. Logprobs come from each row's raw logits, as
+accepted draft is the normal sampler's. A draft model's draft at an unseeded sampled row
+comes with q, the distribution it was drawn from (a ``Proposal``): the sampler keeps it
+with probability min(1, p/q) and otherwise draws from norm(max(p - q, 0)), a token that
+is never the draft, so "accept while equal" reads the outcome the same way. Logprobs come from each row's raw logits, as
 without drafts. A constrained request's drafts are cut where its grammar forbids one, and
 its draft rows are masked by its matcher advanced through the drafts before them
 (``model/structured/masks.py``), which then rolls back.
@@ -27,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine_svc.model.sampler import SamplerOutput
+from engine_svc.model.sampler import Proposal, SamplerOutput
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest
 from engine_svc.types import Logprob, RequestView, SamplingParams
 
@@ -124,6 +127,7 @@ class VerifyRows:
     rows: list[int]
     views: list[RequestView]
     groups: list[_Group]
+    proposals: list[Proposal | None] | None = None  # one per row where a draft model drew drafts
 
     @classmethod
     def of(
@@ -132,18 +136,20 @@ class VerifyRows:
         sample_rows: list[int],
         sample_requests: list[RequestView],
         num_valid_drafts: Callable[[RequestView, list[int]], int],
+        proposals: dict[str, list[Proposal]] | None = None,
     ) -> VerifyRows:
         """``sample_rows``/``sample_requests`` from ``logits_rows`` (one row per request
         that samples: its last real row; its drafts' rows follow it in the batch).
 
         A constrained request's drafts are cut at the first one its grammar forbids
         (``num_valid_drafts``): the rows after it are computed but never sampled, and
-        count as rejected.
+        count as rejected. ``proposals``: a draft model's drafts with their q, by request.
         """
         drafts = {s.request.request_id: s.draft_token_ids for s in batch if s.draft_token_ids}
         rows: list[int] = []
         views: list[RequestView] = []
         groups: list[_Group] = []
+        row_proposals: list[Proposal | None] = []
         for row, request in zip(sample_rows, sample_requests):
             scheduled = drafts.get(request.request_id, [])
             draft_token_ids = scheduled
@@ -155,7 +161,10 @@ class VerifyRows:
             for j in range(1, len(draft_token_ids) + 1):
                 rows.append(row + j)
                 views.append(PositionView(request, draft_token_ids[:j]))
-        return cls(rows, views, groups)
+            # Row j (0 .. k-1) judges draft j; the row after the last draft has none.
+            drawn = (proposals or {}).get(request.request_id, [])[: len(draft_token_ids)]
+            row_proposals += [*drawn, *[None] * (1 + len(draft_token_ids) - len(drawn))]
+        return cls(rows, views, groups, row_proposals if proposals else None)
 
     def accept(self, sampled: SamplerOutput, output: ModelRunnerOutput) -> None:
         """Fill ``output`` from the sampled rows: one token per request without drafts,

@@ -38,15 +38,19 @@ def plan_drafts(
     *,
     num_rows: int,
     num_outputs: int,
+    max_drafts: int | None = None,
     step_seconds: Callable[[int], float],
     draft_pass_seconds: Callable[[int], float] | None = None,
 ) -> dict[str, int]:
     """Draft tokens per request id (absent: none) for a step of ``num_rows`` rows without
-    drafts, ``num_outputs`` of them yielding a token. See the module docstring."""
+    drafts, ``num_outputs`` of them yielding a token, at most ``max_drafts`` in all (the
+    budget left). See the module docstring."""
     gains = sorted(
         ((o.acceptance**j, j, i) for i, o in enumerate(offers) for j in range(1, o.num_tokens + 1)),
         key=lambda g: (-g[0], g[1], g[2]),
     )
+    if max_drafts is not None:
+        gains = gains[:max_drafts]
     if not gains:
         return {}
     tokens = float(num_outputs)

@@ -101,14 +101,16 @@ class Speculator:
         if not decoding or num_rows >= num_budget:
             return {}
         limits = {r.request_id: self._max_drafts(r) for r in decoding}
+        room = num_budget - num_rows
         if config.adaptive:
             # Every request at its full length first: when even that does not pay, no
             # lookup is made (at high load, the usual case).
-            limits = self._plan([(r, limits[r.request_id]) for r in decoding], num_rows, len(decoding))
-        room = num_budget - num_rows
+            chosen = self._plan([(r, limits[r.request_id]) for r in decoding], num_rows, len(decoding), room)
+            limits = chosen if self.uses_draft_model else {i: n for i, n in limits.items() if i in chosen}
         drafts: dict[str, list[int]] = {}
+        left = room
         for r in decoding:
-            num = min(limits.get(r.request_id, 0), room)
+            num = min(limits.get(r.request_id, 0), left)
             if num <= 0:
                 continue
             if self.uses_draft_model:
@@ -119,20 +121,23 @@ class Speculator:
                 )
             if draft:
                 drafts[r.request_id] = draft
-                room -= len(draft)
+                left -= len(draft)
         if config.adaptive and not self.uses_draft_model and drafts:
-            # The lookups found fewer (or shorter) drafts than offered: decide again on those.
+            # Decide again on what the lookups found (fewer, shorter drafts than offered).
             by_id = {r.request_id: r for r in decoding}
-            counts = self._plan([(by_id[i], len(d)) for i, d in drafts.items()], num_rows, len(decoding))
+            counts = self._plan([(by_id[i], len(d)) for i, d in drafts.items()], num_rows, len(decoding), room)
             drafts = {i: d[: counts[i]] for i, d in drafts.items() if counts.get(i)}
         return drafts
 
-    def _plan(self, offers: list[tuple[Request, int]], num_rows: int, num_outputs: int) -> dict[str, int]:
+    def _plan(
+        self, offers: list[tuple[Request, int]], num_rows: int, num_outputs: int, max_drafts: int
+    ) -> dict[str, int]:
         pool = self._pool.rate(0.0, 0.0)
         return plan_drafts(
             [Offer(r.request_id, self._state(r).acceptance.rate(pool, PRIOR_WEIGHT), n) for r, n in offers if n > 0],
             num_rows=num_rows,
             num_outputs=num_outputs,
+            max_drafts=max_drafts,
             step_seconds=self.step_costs.seconds,
             draft_pass_seconds=self.draft_costs.seconds if self.uses_draft_model else None,
         )
