@@ -215,3 +215,20 @@ def test_a_draft_model_with_another_vocabulary_is_refused(models, tokenized, tmp
     (renamed / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match=rf"token id 300 is {second!r} for the draft model and {first!r}"):
         EngineCore(EngineConfig(model=str(target), dtype="float32", speculative_config=spec(renamed)))
+
+
+def test_warm_up_times_the_steps_the_adaptive_rule_weighs(models):
+    """Start-up calibration fills the cost tables (the target's steps by rows, the draft's
+    passes by rows); whatever the rule then decides, greedy outputs stay the same."""
+    config = SpeculativeConfig(method="draft_model", model=str(models["noisy"]), num_speculative_tokens=2)
+    settings = dict(dtype="float32", num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    core = EngineCore(EngineConfig(model=str(models["target"]), speculative_config=config, **settings))
+    core.warmup()
+    speculator = core.scheduler.speculator
+    assert speculator is not None
+    steps, passes = speculator.step_costs.table(), speculator.draft_costs.table()
+    assert list(steps)[:8] == list(range(1, 9)) and max(steps) == 4 * 3 and all(t > 0 for t in steps.values())
+    assert list(passes) == [1, 2, 3, 4] and all(t > 0 for t in passes.values())
+    prompts = prompts_of(8, 6, 5, 30)
+    adaptive = tokens(core.generate(prompts, GREEDY))
+    assert adaptive == tokens(run(models["target"], prompts, GREEDY, None, **settings)[0])
