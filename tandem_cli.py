@@ -162,6 +162,8 @@ class Pair:
             engine_argv += ["--model", args.model]
         if args.speculative_config:
             engine_argv += ["--speculative-config", args.speculative_config]
+        if args.lora_modules:
+            engine_argv += ["--lora-modules", *args.lora_modules]
         self.engine = Service("engine", engine_argv + _split(args.engine_arg), self.echo)
         port = self.engine.wait("listening", 120, self.check)
         frontend_argv = [
@@ -385,6 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="JSON",
             help='the engine\'s speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
             "(docs/speculative.md; default: off)",
+        )
+        sp.add_argument(
+            "--lora-modules",
+            nargs="+",
+            default=None,
+            metavar="NAME=DIR",
+            help="PEFT LoRA adapters the engine serves, each named by a request's model (docs/lora.md)",
         )
         sp.add_argument(
             "--engine-arg",

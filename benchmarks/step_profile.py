@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.profiler
+
 from benchmarks.flops import ModelShape, StepRecorder, ceiling, matmul_peak, workload_flops
 from benchmarks.workloads import load
 
@@ -65,14 +68,13 @@ def run(args) -> dict:
 
     workload = load(args.workload)[: args.max_requests or None]
     shape = ModelShape.from_model_dir(args.model)
+    num_threads = torch.get_num_threads()
     core, startup_s = build_engine(args.model, args.dtype, args.kernels)
     recorder = StepRecorder(shape)
     recorder.attach(core)
     timed_step = core.step
     tables: dict[str, str] = {}
     if args.ops:
-        import torch.profiler
-
         _label_native_kernels()
         windows = {"prefill": (1, 4), "decode": None}  # decode: 3 steps from the first decode-only step
 
@@ -103,6 +105,7 @@ def run(args) -> dict:
     core.generate(prompts, params)
     wall = time.perf_counter() - t0
     flops = workload_flops(shape, workload)
+    torch.set_num_threads(num_threads)  # at every core: the engine's thread governor may have left fewer
     peak = matmul_peak(args.dtype, shape)
     report = {
         "model": args.model,

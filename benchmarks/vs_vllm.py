@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks.flops import ModelShape, StepRecorder, ceiling, matmul_peak, workload_flops
 from benchmarks.workloads import load
 
@@ -40,6 +42,7 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu")
 TARGET_RATIO, TARGET_CEILING_FRACTION = 1.3, 0.85
+_OWN_PROCESS_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 class LoadSampler:
@@ -124,7 +127,9 @@ def vllm_env(python: str, extra: list[str]) -> dict[str, str]:
 
 def run_vllm(args, workload_path: str, num_requests: int) -> dict:
     """vLLM in its own interpreter and process group (killed whole on a timeout, so no
-    engine process outlives the run)."""
+    engine process outlives the run). A process group, not a session: on Linux a new
+    session is a new scheduler autogroup, which would run vLLM at the default share
+    whatever priority this process (and so Tandem's side) runs at."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "vllm.json"
         cmd = [args.python, str(DRIVER), "--model", args.model, "--workload", workload_path, "--dtype", args.dtype,
@@ -132,7 +137,7 @@ def run_vllm(args, workload_path: str, num_requests: int) -> dict:
         env = vllm_env(args.python, args.vllm_env)
         t0 = time.perf_counter()
         with LoadSampler() as load_avg:
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr, stderr=sys.stderr)
+            proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, **_OWN_PROCESS_GROUP)
             try:
                 rc = proc.wait(timeout=args.vllm_timeout)
             except subprocess.TimeoutExpired:
@@ -221,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape.from_model_dir(args.model)
     report: dict = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "machine": machine()}
     report["num_requests"] = len(workload)
+    num_threads = torch.get_num_threads()
     if not args.skip_vllm:
         report["vllm"] = run_vllm(args, args.workload, len(workload))
         print(f"vllm    {report['vllm']['output_tok_per_s']:.1f} output tok/s", flush=True)
@@ -228,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tandem  {report['tandem']['output_tok_per_s']:.1f} output tok/s", flush=True)
 
     flops = workload_flops(shape, workload)
+    # At every core: the engine's thread governor may have left torch on fewer.
+    torch.set_num_threads(num_threads)
     peak = matmul_peak(args.dtype, shape)
     ceil = ceiling(flops, peak["gflops"])
     report.update(flops=flops, peak=peak, ceiling=ceil)

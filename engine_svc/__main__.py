@@ -10,7 +10,11 @@ from tandem_common.logs import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = EngineConfig.from_args(build_parser().parse_args(argv))
+    parser = build_parser()
+    try:
+        config = EngineConfig.from_args(parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))
     setup_logging(config.log_level, config.log_format)
     if config.num_threads:
         import torch

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from engine_svc.lora_registry import LoraConfig
 from engine_svc.sched.spec import SpeculativeConfig
 from tandem_common.flags import (
     HelpFormatter,
@@ -53,10 +54,19 @@ class EngineConfig:
     structured_output: bool = True
     structured_output_timeout_s: float = 10.0
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    enable_lora: bool = False  # LoRA adapter slots around the projections (docs/lora.md)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        config = cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        if hasattr(args, "lora_modules"):
+            modules = tuple(args.lora_modules or ())
+            config.enable_lora = bool(args.enable_lora or modules)
+            config.lora = LoraConfig(modules, args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+            if config.lora.num_slots < args.max_loras:
+                raise ValueError(f"--max-cpu-loras {args.max_cpu_loras} must be at least --max-loras {args.max_loras}")
+        return config
 
 
 # Bounds of the flags that have one besides "positive". A context must hold a one-token
@@ -156,6 +166,33 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: off)",
     )
 
+    lo = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    lo.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve PEFT LoRA adapters, named per request; implied by --lora-modules (default: off, and a "
+        "model without adapters pays nothing)",
+    )
+    lo.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=DIR",
+        help="adapters to serve from the start, each a PEFT adapter directory; more can be loaded and "
+        "unloaded at run time (LoadLoraAdapter / UnloadLoraAdapter)",
+    )
+    dl = LoraConfig()
+    lo.add_argument("--max-loras", type=int_in(1), default=dl.max_loras, help="most distinct adapters one step may mix")
+    lo.add_argument("--max-lora-rank", type=int_in(1), default=dl.max_lora_rank, help="largest adapter rank accepted")
+    lo.add_argument(
+        "--max-cpu-loras",
+        type=int_in(1),
+        default=None,
+        help="adapters held in memory (slots), least recently used evicted beyond it and read back from "
+        "their directory when named again (default: the larger of --max-loras and the --lora-modules count)",
+    )
+
     s = p.add_argument_group("scheduler and KV cache")
     s.add_argument("--max-num-seqs", type=int_in(1), default=d.max_num_seqs, help="most requests running at once")
     s.add_argument(
@@ -236,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_observability_flags(p, log_level=d.log_level, log_format=d.log_format)
     return p
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, path
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

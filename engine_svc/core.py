@@ -19,16 +19,19 @@ from dataclasses import dataclass, field
 
 from engine_svc.config import EngineConfig
 from engine_svc.grammar_compiler import GrammarCompiler
+from engine_svc.lora_registry import LoraRefusedError, LoraRegistry
 from engine_svc.model.gguf_checkpoint import resolve_model_dir
+from engine_svc.model.lora import LoraAdapter
 from engine_svc.model.runner import ModelRunner
-from engine_svc.outputs import EngineOutput, EngineStats, ModelInfo, StepStats
+from engine_svc.outputs import EngineOutput, EngineStats, LoraAdapterInfo, ModelInfo, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.kv_events import KvEventLog
+from engine_svc.sched.lora import LoraStepLimit
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler, SchedulerObserver
 from engine_svc.sched.spec import Speculator
-from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
+from engine_svc.types import ErrorCode, FinishReason, Logprob, RequestError, SamplingParams
 from tandem_common.block_hash import BlockHash
 from tandem_common.kv_events import KvEvent
 
@@ -76,6 +79,8 @@ class EngineCore:
             batch_size_hint=config.max_num_seqs,
             max_num_seqs=config.max_num_seqs,
             quantization=config.quantization,
+            lora_slots=config.lora.num_slots if config.enable_lora else 0,
+            max_lora_rank=config.lora.max_lora_rank,
             **_draft_model(config),
         )
         self.max_model_len = self.runner.max_model_len
@@ -95,6 +100,7 @@ class EngineCore:
                 if config.speculative_config is None
                 else Speculator(config.speculative_config, max_model_len=self.max_model_len)
             ),
+            lora_limit=LoraStepLimit(config.lora.max_loras) if config.enable_lora else None,
         )
         self.limits = AdmissionLimits(
             self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
@@ -107,6 +113,7 @@ class EngineCore:
             enabled=config.structured_output,
             timeout_s=config.structured_output_timeout_s,
         )
+        self.lora = self._lora_registry(config)  # None: the engine serves no adapters
         self.draining = False  # refuse new requests (UNAVAILABLE); running ones go on
         self._last_step: StepStats | None = None
         self.num_steps = 0
@@ -140,6 +147,8 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting + self.structured.num_waiting,
             draining=self.draining,
         )
+        if error is None and request.lora_name is not None:
+            error = self._acquire_lora(request)
         if error is not None:
             return self.refuse(request, error)
         if request.sampling_params.structured is not None:
@@ -233,6 +242,9 @@ class EngineCore:
             step=step,
             structured=self.structured.stats(),
             spec_decode=None if sched.speculator is None else sched.speculator.stats.snapshot(),
+            lora_version=0 if self.lora is None else self.lora.version,
+            lora_adapters=() if self.lora is None else self.lora.infos,
+            lora_events=() if self.lora is None else self.lora.take_events(),
         )
 
     def warmup(self) -> None:
@@ -262,7 +274,59 @@ class EngineCore:
             device=self.device,
             block_size=self.block_size,
             num_kv_blocks=runner.num_kv_blocks,
+            max_loras=0 if self.lora is None else self.lora.config.max_loras,
         )
+
+    # -- LoRA adapters (lora_registry.py) ----------------------------------------------------
+
+    def _lora_registry(self, config: EngineConfig) -> LoraRegistry | None:
+        """The adapters' registry with --lora-modules loaded, or None without --enable-lora."""
+        if self.runner.lora is None:
+            return None
+        registry = LoraRegistry(self.runner.lora, self.runner.model_args, config.lora)
+        for name, path in config.lora.modules:
+            registry.add(registry.read(name, path), self._loras_in_use)
+        return registry
+
+    def _loras_in_use(self) -> list[str]:
+        """The adapter of every unfinished request, once per request."""
+        requests = [*self.scheduler.requests.values(), *self.structured.waiting_requests()]
+        return [r.lora_name for r in requests if r.lora_name is not None]
+
+    def _acquire_lora(self, request: Request) -> RequestError | None:
+        """Give ``request`` its adapter's slot and digest, or say why it cannot run."""
+        assert request.lora_name is not None
+        if self.lora is None:
+            return RequestError(
+                ErrorCode.NOT_FOUND,
+                f"no LoRA adapter named {request.lora_name!r}: this engine serves none (start it with --enable-lora)",
+                "lora_name",
+            )
+        acquired = self.lora.acquire(request.lora_name, self._loras_in_use)
+        if isinstance(acquired, RequestError):
+            return acquired
+        request.lora_slot, request.cache_salt = acquired
+        return None
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter directory; any thread (LoraRefusedError says why not)."""
+        if self.lora is None:
+            raise _lora_off()
+        return self.lora.read(name, path)
+
+    def load_lora(self, adapter: LoraAdapter) -> LoraAdapterInfo:
+        """Serve ``adapter`` (engine thread); LoraRefusedError says why not."""
+        if self.lora is None:
+            raise _lora_off()
+        self.lora.add(adapter, self._loras_in_use)
+        return next(info for info in self.lora.infos if info.name == adapter.name)
+
+    def unload_lora(self, name: str) -> str:
+        """Stop serving adapter ``name`` (engine thread) and return it; LoraRefusedError says why not."""
+        if self.lora is None:
+            raise _lora_off()
+        self.lora.remove(name, self._loras_in_use)
+        return name
 
     # -- what a loop driving the core from its own thread hooks into ----------------------
 
@@ -297,14 +361,21 @@ class EngineCore:
 
     # -- offline API ----------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
-        """Run ``prompts`` to completion and return them in input order."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        lora_names: list[str | None] | None = None,
+    ) -> list[Completion]:
+        """Run ``prompts`` to completion (each under its LoRA adapter, if named) and return
+        them in input order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        names = lora_names or [None] * len(prompts)
         ids = [f"offline-{next(_counter)}" for _ in prompts]
         results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts)}
-        for rid, prompt, sp in zip(ids, prompts, params):
-            error_output = self.add_request(self.make_request(rid, prompt, sp))
+        for rid, prompt, sp, name in zip(ids, prompts, params, names):
+            error_output = self.add_request(self.make_request(rid, prompt, sp, lora_name=name))
             if error_output is not None:
                 _merge(results[rid], error_output)
         while self.has_unfinished_requests():
@@ -324,6 +395,12 @@ def _draft_model(config: EngineConfig) -> dict:
     if spec is None or spec.method != "draft_model":
         return {}
     return {"draft_model": spec.model, "draft_quantization": spec.quantization}
+
+
+def _lora_off() -> LoraRefusedError:
+    return LoraRefusedError(
+        ErrorCode.FAILED_PRECONDITION, "this engine serves no LoRA adapters: start it with --enable-lora"
+    )
 
 
 def _merge(completion: Completion, out: EngineOutput) -> None:

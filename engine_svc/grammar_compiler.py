@@ -203,6 +203,10 @@ class GrammarCompiler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def waiting_requests(self) -> list[Request]:
+        """The requests waiting for their grammar (engine thread)."""
+        return [w.request for w in self._waiting.values()]
+
     def stats(self) -> StructuredStats:
         with self._lock:
             durations, self._durations = self._durations, []

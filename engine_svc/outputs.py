@@ -174,6 +174,20 @@ class EngineStats:
     step: StepStats | None = None  # None when the turn ran no step
     structured: StructuredStats = StructuredStats()
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
+    lora_version: int = 0  # changes whenever an adapter is loaded, unloaded or changed
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # the LoRA adapters requests may name
+    lora_events: tuple[tuple[str, float], ...] = ()  # (load | unload | reload, seconds) in this turn
+
+
+@dataclass(frozen=True)
+class LoraAdapterInfo:
+    """A LoRA adapter the engine serves (lora_registry.py)."""
+
+    name: str
+    path: str
+    digest: bytes  # sha256 of its weights and scales: the parent of its requests' first block hash
+    max_rank: int
+    loaded_at: float  # seconds since the epoch
 
 
 @dataclass(frozen=True)
@@ -190,6 +204,7 @@ class ModelInfo:
     device: str
     block_size: int
     num_kv_blocks: int
+    max_loras: int = 0  # LoRA adapters one step may mix; 0: this engine serves none
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -58,6 +58,13 @@ class RequestView(Protocol):
         ...
 
     @property
+    def lora_slot(self) -> int | None:
+        """The slot of the LoRA adapter the request runs under (engine_svc/model/lora/), or
+        None for the base model. Set when the request is admitted; its adapter stays in that
+        slot while the request is unfinished."""
+        ...
+
+    @property
     def num_computed_tokens(self) -> int: ...
 
     @property

@@ -54,6 +54,7 @@ class EngineLoad:
     draining: bool = False
     num_used_blocks: int = 0  # KV blocks held by running requests
     num_waiting_tokens: int = 0  # tokens of queued requests, all still to compute
+    lora_version: int = 0  # changes when the engine's LoRA adapters change (ask GetModelInfo again)
 
 
 @dataclass
@@ -68,6 +69,8 @@ class ModelInfo:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 0  # KV blocks in the engine's pool; 0 from an engine that names none
     block_hash_algorithm: str = ""  # "" from an engine that names none: no prefix predictions
+    # The LoRA adapters the engine serves: name -> digest (the first block hash's parent).
+    lora_adapters: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

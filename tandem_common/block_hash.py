@@ -12,6 +12,8 @@ token ids as little-endian int64. Each hash covers every token before it, so equ
 mean equal prefixes, and an engine that holds h2 can serve the first 12 tokens of any
 prompt whose third block hashes to h2. ``BLOCK_HASH_ALGORITHM`` names this definition on
 the wire (GetModelInfo): a frontend predicts only for engines that hash the way it does.
+A request under a LoRA adapter chains its first block to the adapter's digest instead of
+to nothing (``LORA_BLOCK_HASH_ALGORITHM``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from collections.abc import Sequence
 BlockHash = bytes
 
 BLOCK_HASH_ALGORITHM = "sha256-chain-int64le"
+# The same, where a request under a LoRA adapter starts its chain from the adapter's digest
+# (``parent_hash`` of its first block): K/V computed under one adapter is never a hit for
+# another, nor for the base model. Engines that serve adapters name this one.
+LORA_BLOCK_HASH_ALGORITHM = "sha256-chain-int64le+lora-digest"
+BLOCK_HASH_ALGORITHMS = (BLOCK_HASH_ALGORITHM, LORA_BLOCK_HASH_ALGORITHM)  # what a frontend predicts for
 
 _ITEM_BYTES = array("q").itemsize  # 8
 

@@ -27,6 +27,9 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
+    NOT_FOUND = "NOT_FOUND"  # a LoRA adapter (a model name) the engine does not hold
+    # Never in band: answers of the engines' LoRA admin RPCs.
+    ALREADY_EXISTS = "ALREADY_EXISTS"
     # Never in band: a frontend that cannot serve until its operator acts (no tokenizer).
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
 

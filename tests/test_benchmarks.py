@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import grpc_floor, offline, serve
 from benchmarks.workloads import fit_context, fit_vocab, salted, synthetic
@@ -325,3 +326,27 @@ def test_spec_figures(demo_model_dir, tmp_path):
         # Greedy: the same tokens, run after run.
         assert {x["num_output_tokens"] for x in r["on"]} == {x["num_output_tokens"] for x in r["off"]}
         assert 0.0 <= r["acceptance_rate"] <= 1.0
+
+
+def test_gguf_to_hf_writes_the_gguf_weights_bit_for_bit(smollm2_gguf, tmp_path):
+    """The directory peers read holds the GGUF's own weights, config and tokenizer."""
+    from safetensors.torch import load_file
+
+    from benchmarks.gguf_to_hf import write_hf_dir
+    from engine_svc.model.args import ModelArgs
+    from engine_svc.model.gguf_checkpoint import prepare_gguf_dir
+    from engine_svc.model.gguf_weights import read_gguf_tensors
+
+    out = write_hf_dir(smollm2_gguf, tmp_path / "hf")
+    prepared = prepare_gguf_dir(smollm2_gguf)
+    config = json.loads((out / "config.json").read_text())
+    assert config.pop("torch_dtype") == "float32"
+    assert config == {k: v for k, v in json.loads((prepared / "config.json").read_text()).items() if k != "torch_dtype"}
+    assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
+    assert not (out / "gguf_source.json").exists()  # an ordinary directory, read by its safetensors
+    written = load_file(out / "model.safetensors")
+    expected, _ = read_gguf_tensors(smollm2_gguf, ModelArgs.from_hf_config(config))
+    assert config["tie_word_embeddings"] and "lm_head.weight" not in written
+    assert set(written) == {name for name, _ in expected}
+    for name, value in expected:
+        assert torch.equal(written[name], value), name

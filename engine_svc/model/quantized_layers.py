@@ -42,9 +42,16 @@ class QuantizedLinear(nn.Module):
         self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activate(self.pre_activation(x))
+
+    def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b: for a gate/up weight, both halves before SiLU-and-multiply."""
         y = self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_q)
         if self.bias_f is not None:
             y = (y.float() + self.bias_f).to(x.dtype)
+        return y
+
+    def activate(self, y: torch.Tensor) -> torch.Tensor:
         if not self.silu_mul:
             return y
         gate, up = y.chunk(2, dim=-1)

@@ -34,6 +34,7 @@ from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
+from engine_svc.model.lora import LoraSlots
 from engine_svc.model.sampler import Sampler
 from engine_svc.model.served import load_served_model
 from engine_svc.model.spec import DraftModel, VerifyRows, attention_rows
@@ -68,6 +69,8 @@ class ModelRunner:
         batch_size_hint: int = 64,
         max_num_seqs: int = 128,
         quantization: str | None = None,
+        lora_slots: int = 0,
+        max_lora_rank: int = 16,
         draft_model: str | None = None,
         draft_quantization: str = "auto",
     ) -> None:
@@ -77,6 +80,7 @@ class ModelRunner:
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
         self.native_prefill = backend.native_prefill
+        self.lora = self._lora_slots(lora_slots, max_lora_rank)
         self.threads = self._thread_governor()
         self.step_work = StepWork.of_model(self.model_args)
         self.vocab_size = self.model_args.vocab_size
@@ -136,6 +140,13 @@ class ModelRunner:
             batch_size_hint=batch_size_hint,
             quantization=quantization,
         )
+
+    def _lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots | None:
+        """Slots for LoRA adapters around the backend's layers (model/lora/), or None: a
+        model without them runs exactly as before."""
+        if num_slots <= 0:
+            return None
+        return LoraSlots(self.model, self.kernels, num_slots=num_slots, max_rank=max_rank)
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
@@ -221,9 +232,13 @@ class ModelRunner:
             return output
         # The batch order is the runner's alone (outputs are keyed by request id): decodes
         # (with their drafts, which attend as decode rows: model/spec/layout.py) first,
-        # sorted by context length so that neighbours in a decode group pad little, then
-        # prefill chunks.
-        decodes = sorted((s for s in scheduler_output.scheduled if s.num_new_tokens == 1), key=lambda s: s.start)
+        # sorted by context length so that neighbours in a decode group pad little (by LoRA
+        # adapter first, so that each adapter's rows are one run in the GEMM's LoRA term),
+        # then prefill chunks.
+        decodes = sorted(
+            (s for s in scheduler_output.scheduled if s.num_new_tokens == 1),
+            key=lambda s: (-1 if s.request.lora_slot is None else s.request.lora_slot, s.start),
+        )
         chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
         batch = decodes + chunks
 
@@ -245,7 +260,7 @@ class ModelRunner:
             None if drafts is None else drafts.proposals,
         )
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+            hidden = self._forward(batch, input_ids, positions, meta)  # [num_tokens, hidden]
             if verify.rows:
                 logits = self._logits(hidden, verify.rows)  # [num_sampled, vocab] float32
                 sampled = self.sampler.sample(logits, verify.views, verify.proposals)
@@ -267,6 +282,18 @@ class ModelRunner:
             output.execute_s -= drafts.seconds
             output.draft_passes = drafts.passes
         return output
+
+    def _forward(
+        self, batch: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The decoder over the step's tokens; each row adds its request's LoRA adapter, if any."""
+        if self.lora is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        self.lora.begin_step(lora_rows(batch))
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            self.lora.end_step()
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """LM head over the given rows of ``hidden`` only: [len(rows), vocab] float32."""
@@ -350,6 +377,17 @@ class ModelRunner:
         return self.drafter.time_passes(sizes, context, CALIBRATION_BUDGET_S / 2) if context >= 1 else []
 
 
+def lora_rows(batch: list[ScheduledRequest]) -> list[int] | None:
+    """Each row's LoRA slot (-1: the base model), in batch order; None if no row has one."""
+    if all(s.request.lora_slot is None for s in batch):
+        return None
+    rows: list[int] = []
+    for s in batch:
+        slot = s.request.lora_slot
+        rows += [-1 if slot is None else slot] * s.num_scheduled_tokens
+    return rows
+
+
 @dataclass(frozen=True)
 class StepWork:
     """A step's modelled arithmetic, the thread governor's unit of work: the linear layers
@@ -386,6 +424,7 @@ class _WarmupRequest:
     eos_token_ids: tuple[int, ...] = ()
     num_prompt_logprobs_done: int = 0
     grammar: object | None = None
+    lora_slot: int | None = None
 
     @property
     def all_token_ids(self) -> Sequence[int]:

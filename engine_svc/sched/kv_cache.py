@@ -214,7 +214,9 @@ class KVCacheManager:
         if num_blocks > len(hashes):
             start = len(hashes) * self.block_size
             tokens = request.all_token_ids[start : num_blocks * self.block_size]
-            hashes.extend(hash_blocks(tokens, self.block_size, parent_hash=hashes[-1] if hashes else None))
+            hashes.extend(
+                hash_blocks(tokens, self.block_size, parent_hash=hashes[-1] if hashes else request.cache_salt)
+            )
         return hashes
 
     def _take_ref(self, block_id: int) -> None:

@@ -44,6 +44,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         trace_context: dict[str, str] | None = None,
         client_request_id: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id  # unique in the engine
         # The id its client gave it (unique per stream only); logs and traces show it.
@@ -57,6 +58,11 @@ class Request:
         # The compiled output constraint, set by EngineCore before the request is queued
         # (engine_svc/grammar_compiler.py); opaque here.
         self.grammar: object | None = None
+        # The LoRA adapter it runs under (None: the base model), its slot and its digest, the
+        # parent of its first block's hash (tandem_common/block_hash.py); set at admission.
+        self.lora_name = lora_name
+        self.lora_slot: int | None = None
+        self.cache_salt: bytes | None = None
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

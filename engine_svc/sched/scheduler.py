@@ -33,6 +33,7 @@ from typing import Protocol
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.sched.admission import check_kv_capacity
 from engine_svc.sched.kv_cache import KVCacheManager
+from engine_svc.sched.lora import LoraStepLimit
 from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
 from engine_svc.sched.spec import Speculator
 from engine_svc.types import ErrorCode, FinishReason, RequestError
@@ -146,6 +147,7 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         speculator: Speculator | None = None,
+        lora_limit: LoraStepLimit | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {sorted(POLICIES)}")
@@ -160,6 +162,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.observer: SchedulerObserver | None = None
         self.speculator = speculator  # drafts for decoding requests; None: no speculation
+        self.lora_limit = lora_limit  # adapters one step may mix; None: no adapters
         # Ids that ended or were preempted since the last schedule(): the runner drops their state.
         self._finished_ids: set[str] = set()
 
@@ -306,10 +309,15 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
         """Admit waiting requests in queue order: prefix-cache hits, then a first chunk of
-        what is left of the budget. Stops at the first one that does not fit."""
+        what is left of the budget. Stops at the first one that does not fit; passes over
+        (and leaves in place) one whose LoRA adapter would be one too many (``sched/lora.py``)."""
         rows = []
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if self.lora_limit is not None and not self.lora_limit.admits(request, self.running):
+                passed_over.append(self.waiting.pop())
+                continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
@@ -326,6 +334,8 @@ class Scheduler:
             self.running.append(request)
             rows.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
+        for request in reversed(passed_over):  # back in their places, ahead of the rest
+            self.waiting.add_front(request)
         return rows
 
     def update_from_output(

@@ -4,7 +4,8 @@
     AbortReason    ── abort_finish() ──▶ FinishReason               (then EngineLoop.abort)
     Batch          ── batch_to_proto() ──▶ StreamResponse            (one per backlog take)
     EngineStats    ── load_to_proto() ──▶ EngineLoad                 (GetLoad, every response)
-    ModelInfo      ── model_info_to_proto() ──▶ GetModelInfoResponse (once, at load)
+    ModelInfo      ── model_info_to_proto() ──▶ GetModelInfoResponse (with the adapters of the moment)
+    LoraAdapterInfo ── lora_adapter_to_proto() ──▶ LoraAdapter
 
 With the server (which registers the services) this is the only engine code that knows
 the generated protobuf types; the stream session and the servicer hand it plain values.
@@ -12,11 +13,11 @@ the generated protobuf types; the stream session and the servicer hand it plain 
 
 from __future__ import annotations
 
-from engine_svc.outputs import EngineOutput, EngineStats, ModelInfo
+from engine_svc.outputs import EngineOutput, EngineStats, LoraAdapterInfo, ModelInfo
 from engine_svc.service.backlog import Batch
 from engine_svc.service.engine_loop import AddCommand
 from engine_svc.types import ErrorCode, FinishReason, Logprob, RequestError
-from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
+from tandem_common.block_hash import BLOCK_HASH_ALGORITHM, LORA_BLOCK_HASH_ALGORITHM
 from tandem_common.kv_events import BlocksRemoved, BlocksStored, KvEvent
 from tandem_common.sampling_proto import sampling_params_from_proto
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
@@ -33,6 +34,7 @@ _ERROR = {
     ErrorCode.RESOURCE_EXHAUSTED: pb.ERROR_CODE_RESOURCE_EXHAUSTED,
     ErrorCode.UNAVAILABLE: pb.ERROR_CODE_UNAVAILABLE,
     ErrorCode.INTERNAL: pb.ERROR_CODE_INTERNAL,
+    ErrorCode.NOT_FOUND: pb.ERROR_CODE_NOT_FOUND,
 }
 # What an Abort's reason makes its requests finish with; an unknown reason cancels.
 _ABORT_FINISH = {
@@ -53,6 +55,7 @@ def add_command(add: pb.Add) -> AddCommand:
         priority=add.priority,
         arrival_time=add.arrival_time or None,
         trace_context=dict(add.trace_context),
+        lora_name=add.lora_name or None,
     )
 
 
@@ -129,10 +132,17 @@ def load_to_proto(stats: EngineStats) -> pb.EngineLoad:
         prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
         num_used_blocks=stats.num_used_blocks,
         draining=stats.draining,
+        lora_version=stats.lora_version,
     )
 
 
-def model_info_to_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
+def lora_adapter_to_proto(info: LoraAdapterInfo) -> pb.LoraAdapter:
+    return pb.LoraAdapter(
+        name=info.name, path=info.path, digest=info.digest, max_rank=info.max_rank, loaded_at=info.loaded_at
+    )
+
+
+def model_info_to_proto(info: ModelInfo, adapters: tuple[LoraAdapterInfo, ...] = ()) -> pb.GetModelInfoResponse:
     msg = pb.GetModelInfoResponse(
         model_name=info.model_name,
         max_model_len=info.max_model_len,
@@ -144,7 +154,9 @@ def model_info_to_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
         kv_capacity_tokens=info.kv_capacity_tokens,
         architecture=info.architecture,
         device=info.device,
-        block_hash_algorithm=BLOCK_HASH_ALGORITHM,
+        block_hash_algorithm=LORA_BLOCK_HASH_ALGORITHM if info.max_loras else BLOCK_HASH_ALGORITHM,
+        lora_adapters=[lora_adapter_to_proto(a) for a in adapters],
+        max_loras=info.max_loras,
     )
     if info.bos_token_id is not None:
         msg.bos_token_id = info.bos_token_id

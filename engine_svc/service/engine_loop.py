@@ -4,7 +4,7 @@
                                                              apply commands, step once,
     stream sinks ◀── (outputs, EngineStats) per turn ──────  publish an EngineStats snapshot
 
-Streams talk to it through a queue of small frozen commands; it hands each stream's
+Streams talk to it through a queue of small frozen commands (``commands.py``); it hands each stream's
 outputs back through the stream's ``sink`` callback, once per turn. A sink must not
 block: a stream session's sink only appends to its stream's bounded backlog, so a slow or
 stalled reader on one stream never stalls the engine or the other streams. A sink that
@@ -34,121 +34,40 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine_svc.core import EngineCore
-from engine_svc.outputs import EngineOutput, EngineStats, RejectedAdd
+from engine_svc.model.lora import LoraAdapter
+from engine_svc.outputs import EngineOutput, EngineStats, LoraAdapterInfo, RejectedAdd
 from engine_svc.sched.kv_events import snapshot_events, split_events
+from engine_svc.service.commands import (
+    Abort,
+    Add,
+    AddCommand,
+    CloseStream,
+    Command,
+    FailAll,
+    HalfClose,
+    HalfCloseAll,
+    KvSink,
+    LoadLora,
+    OpenStream,
+    ResumeStream,
+    Sink,
+    StartDraining,
+    SubscribeKvEvents,
+    UnloadLora,
+)
 from engine_svc.service.lifecycle import RequestEvents, RequestListener
 from engine_svc.service.loop_faults import end_streams, failed_add
-from engine_svc.types import ErrorCode, FinishReason, RequestError, SamplingParams
+from engine_svc.types import ErrorCode, FinishReason, RequestError
 from tandem_common.kv_events import KvEvent
 from tandem_common.logs import printable
 
+__all__ = ["AddCommand", "EngineLoop", "KvSink", "Sink"]
+
 logger = logging.getLogger(__name__)
-
-# A sink receives (outputs, stats) per turn, or (None, stats) once the stream is done:
-# it was half-closed by its client and its last request finished. Outputs are in step
-# order; refused duplicate adds come as RejectedAdd. It returns True to ask for a pause
-# (its reader lags beyond its bound), anything else to go on.
-Sink = Callable[[list[EngineOutput | RejectedAdd] | None, EngineStats], bool | None]
-# A KV sink receives batches of prefix-cache events, each of at most the hashes it asked for.
-KvSink = Callable[[list[KvEvent], EngineStats], None]
-
-
-# -- commands: what other threads ask of the engine thread ----------------------------
-
-
-@dataclass(frozen=True)
-class AddCommand:
-    """One request as a stream's client sent it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    priority: int = 0
-    arrival_time: float | None = None
-    trace_context: dict[str, str] | None = None
-
-
-@dataclass(frozen=True)
-class OpenStream:
-    stream_id: int
-    sink: Sink
-
-
-@dataclass(frozen=True)
-class Add:
-    stream_id: int
-    command: AddCommand
-
-
-@dataclass(frozen=True)
-class Abort:
-    stream_id: int
-    request_ids: tuple[str, ...]
-    reason: FinishReason = FinishReason.ABORT  # STOP when the client found a stop string
-
-
-@dataclass(frozen=True)
-class ResumeStream:
-    """The stream's reader caught up: its paused requests may run again."""
-
-    stream_id: int
-
-
-@dataclass(frozen=True)
-class HalfClose:
-    """The client sends no more commands; the stream ends once its requests finish."""
-
-    stream_id: int
-
-
-@dataclass(frozen=True)
-class HalfCloseAll:
-    """Shutdown: every stream ends once its requests have finished."""
-
-
-@dataclass(frozen=True)
-class CloseStream:
-    """The stream ended: abort everything it added and forget it."""
-
-    stream_id: int
-
-
-@dataclass(frozen=True)
-class SubscribeKvEvents:
-    """Send the stream a snapshot of the prefix cache, then every turn's cache events."""
-
-    stream_id: int
-    sink: KvSink
-    max_hashes: int  # per batch, so that each fits one stream message
-
-
-@dataclass(frozen=True)
-class StartDraining:
-    """Refuse new requests from now on; running ones go on."""
-
-
-@dataclass(frozen=True)
-class FailAll:
-    """Finish every request with an in-band error (a shutdown cut)."""
-
-    error: RequestError
-
-
-Command = (
-    OpenStream
-    | Add
-    | Abort
-    | ResumeStream
-    | HalfClose
-    | HalfCloseAll
-    | CloseStream
-    | SubscribeKvEvents
-    | StartDraining
-    | FailAll
-)
 
 
 @dataclass
@@ -269,6 +188,23 @@ class EngineLoop:
     def fail_all(self, error: RequestError) -> None:
         self._push(FailAll(error))
 
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """Read and check a LoRA adapter directory, on the caller's thread (disk and hashing
+        stay off the engine thread); raises ``LoraRefusedError``."""
+        assert self.core is not None
+        return self.core.read_lora(name, path)
+
+    def load_lora(self, adapter: LoraAdapter) -> Future[LoraAdapterInfo]:
+        """Serve ``adapter`` from the next turn; the future says how it went."""
+        reply: Future[LoraAdapterInfo] = Future()
+        self._push(LoadLora(adapter, reply))
+        return reply
+
+    def unload_lora(self, name: str) -> Future[str]:
+        reply: Future[str] = Future()
+        self._push(UnloadLora(name, reply))
+        return reply
+
     def num_unfinished(self) -> int:
         """Requests added that have not finished, queued commands included."""
         with self._cond:
@@ -384,6 +320,10 @@ class EngineLoop:
                 stream.kv_sink, stream.kv_max_hashes = sink, max_hashes
                 for batch in snapshot_events(core.cached_hashes(), max_hashes):
                     sink(batch, self.stats)
+            case LoadLora(adapter, reply):
+                _settle(reply, lambda: self._published(core.load_lora(adapter)))
+            case UnloadLora(name, reply):
+                _settle(reply, lambda: self._published(core.unload_lora(name)))
             case CloseStream(stream_id) if (stream := self._streams.pop(stream_id, None)) is not None:
                 if stream.kv_sink is not None and not any(s.kv_sink for s in self._streams.values()):
                     core.disable_kv_events()  # nobody listens: record nothing
@@ -393,6 +333,11 @@ class EngineLoop:
                     if self.events is not None:
                         self.events.finished(out)
         return []
+
+    def _published(self, result: object) -> object:
+        """``result`` once ``stats`` shows the change (the adapters a client sees next)."""
+        self._publish_stats([])
+        return result
 
     def _half_close(self, stream: _Stream) -> None:
         """No more commands count for ``stream``; it ends now if nothing is live, else
@@ -424,6 +369,7 @@ class EngineLoop:
             arrival_time=cmd.arrival_time or time.time(),
             trace_context=cmd.trace_context,
             client_request_id=cmd.request_id,
+            lora_name=cmd.lora_name,
         )
         stream.live[cmd.request_id] = engine_id
         self._owners[engine_id] = (stream_id, cmd.request_id)
@@ -486,3 +432,13 @@ class EngineLoop:
         logger.warning(
             "stream %d: its reader fell behind; %d requests paused until it catches up", stream_id, len(stream.live)
         )
+
+
+def _settle(reply: Future, work: Callable[[], object]) -> None:
+    """Run a command's work and hand its result, or the exception it raised, to the asker."""
+    try:
+        result = work()
+    except Exception as e:  # noqa: BLE001 - the asker gets it; the loop goes on
+        reply.set_exception(e)
+    else:
+        reply.set_result(result)

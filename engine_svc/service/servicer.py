@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
+from engine_svc.lora_registry import LoraRefusedError
 from engine_svc.outputs import ModelInfo
 from engine_svc.service import convert
 from engine_svc.service.backlog import KV_EVENTS_MAX_HASHES, KV_HASH_WIRE_BYTES, MAX_MESSAGE_BYTES
@@ -31,6 +32,7 @@ from tandem_protos.tandem.engine.v1 import engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 TOKENIZER_CHUNK_BYTES = 1 << 20
+LORA_RPC_TIMEOUT_S = 60.0  # the engine thread applies a load or unload between two steps
 _CHUNK_HEADROOM_BYTES = 4096  # file name, offsets, size and sha256 around a chunk's data
 
 
@@ -115,7 +117,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self._open_streams.discard(session.stream_id)
 
     async def GetModelInfo(self, request, context):
-        return convert.model_info_to_proto((await self._require_engine(context)).model_info)
+        loaded = await self._require_engine(context)
+        return convert.model_info_to_proto(loaded.model_info, loaded.loop.stats.lora_adapters)
+
+    async def LoadLoraAdapter(self, request, context):
+        loop = (await self._require_engine(context)).loop
+        try:
+            adapter = await asyncio.to_thread(loop.read_lora, request.name, request.path)
+            info = await asyncio.wait_for(asyncio.wrap_future(loop.load_lora(adapter)), LORA_RPC_TIMEOUT_S)
+        except LoraRefusedError as e:
+            await context.abort(grpc.StatusCode[e.code.name], str(e))
+        return pb.LoadLoraAdapterResponse(adapter=convert.lora_adapter_to_proto(info))
+
+    async def UnloadLoraAdapter(self, request, context):
+        loop = (await self._require_engine(context)).loop
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(loop.unload_lora(request.name)), LORA_RPC_TIMEOUT_S)
+        except LoraRefusedError as e:
+            await context.abort(grpc.StatusCode[e.code.name], str(e))
+        return pb.UnloadLoraAdapterResponse()
 
     async def GetLoad(self, request, context):
         engine = (await self._require_engine(context)).loop

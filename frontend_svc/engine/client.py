@@ -27,6 +27,10 @@ With a PrefixIndex (prefix-aware routing), each session subscribes to the engine
 prefix-cache events as its first message and applies them to the index as they come,
 before the outputs they arrive with; when the session ends the engine is dropped from the
 index at once, and the next session starts again from the engine's snapshot.
+
+The engine's LoRA adapters come with its model info; when its load reports a new
+``lora_version`` (an adapter was loaded or unloaded) the client asks GetModelInfo again,
+and routing sends a request under an adapter only to engines that serve it.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from frontend_svc.types import (
     ModelIdentity,
     ModelInfo,
 )
-from tandem_common.block_hash import BLOCK_HASH_ALGORITHM
+from tandem_common.block_hash import BLOCK_HASH_ALGORITHMS
 from tandem_common.sampling import SamplingParams
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -122,6 +126,9 @@ class EngineClient:
         self._last_heard_s = 0.0  # the last stream message or GetLoad answer
         self._hung: str | None = None  # set by the watchdog just before it ends the session
         self._closed = False
+        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
+        self._lora_version: int | None = None  # of the adapters in model_info; None: not known yet
+        self._lora_refresh: asyncio.Task | None = None
 
     # -- routing figures -------------------------------------------------------------------
 
@@ -152,7 +159,37 @@ class EngineClient:
     def predicts_prefix_hits(self) -> bool:
         """The index holds this engine's blocks: it hashes as this frontend does and subscribed."""
         info = self.model_info
-        return self._index is not None and info is not None and info.block_hash_algorithm == BLOCK_HASH_ALGORITHM
+        return self._index is not None and info is not None and info.block_hash_algorithm in BLOCK_HASH_ALGORITHMS
+
+    def serves(self, lora_name: str | None) -> bool:
+        """Whether the engine serves LoRA adapter ``lora_name`` (None: the base model)."""
+        return lora_name is None or (self.model_info is not None and lora_name in self.model_info.lora_adapters)
+
+    def lora_digest(self, lora_name: str | None) -> bytes | None:
+        """The adapter's digest, the parent of its requests' first block hash (None: base)."""
+        if lora_name is None or self.model_info is None:
+            return None
+        return self.model_info.lora_adapters.get(lora_name)
+
+    async def refresh_model_info(self) -> None:
+        """Ask the engine for its model info again: its LoRA adapters may have changed."""
+        if self._stub is None or not self.connected:
+            return
+        try:
+            info = convert.model_info(
+                await self._stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+            )
+        except grpc.aio.AioRpcError as e:
+            logger.debug("engine %s: GetModelInfo failed: %s", self.address, e.code().name)
+            return
+        old = self.model_info.lora_adapters if self.model_info is not None else {}
+        if info.lora_adapters != old:
+            logger.info(
+                "engine %s serves LoRA adapters: %s", self.address, ", ".join(sorted(info.lora_adapters)) or "none"
+            )
+        self.model_info = info
+        if self._on_change is not None:
+            self._on_change()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -212,6 +249,8 @@ class EngineClient:
                 raise _EngineRefusedError(problem)
         self._set_refused(None)
         self.model_info = model_info
+        self._stub = stub
+        self._lora_version = None
         outbox: asyncio.Queue = asyncio.Queue()
         if self.predicts_prefix_hits:
             assert self._index is not None
@@ -222,7 +261,7 @@ class EngineClient:
                 "engine %s hashes prefix-cache blocks as %r, this frontend as %r: no prefix-aware routing to it",
                 self.address,
                 self.model_info.block_hash_algorithm or "(unnamed)",
-                BLOCK_HASH_ALGORITHM,
+                " or ".join(BLOCK_HASH_ALGORITHMS),
             )
         call = stub.Stream(_drain(outbox))
         self._outbox = outbox
@@ -326,6 +365,10 @@ class EngineClient:
         if self.load != previous:
             self._progress.progressed()
         self._last_load_s = time.monotonic()
+        if self.load.lora_version != self._lora_version and self.model_info is not None:
+            self._lora_version = self.load.lora_version
+            if self._lora_refresh is None or self._lora_refresh.done():
+                self._lora_refresh = asyncio.create_task(self.refresh_model_info())
         if self.load.draining != was_draining:
             logger.info("engine %s %s", self.address, "is draining" if self.load.draining else "accepts requests again")
             if self._on_change is not None:
@@ -386,6 +429,7 @@ class EngineClient:
         wakeup: asyncio.Event | None = None,
         stream_interval: int = 0,
         num_prefill_tokens: int | None = None,
+        lora_name: str | None = None,
     ) -> RequestHandle:
         """Queue a request on this engine's stream; outputs arrive on the returned handle,
         which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle).
@@ -402,6 +446,7 @@ class EngineClient:
             priority=priority,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             trace_context=trace_context or {},
+            lora_name=lora_name,
         )
         # gRPC fails the whole stream, every request on it, for one message over its limit.
         size = message.ByteSize()

@@ -28,6 +28,7 @@ _ERROR = {
     engine_pb2.ERROR_CODE_INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
     engine_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
     engine_pb2.ERROR_CODE_UNAVAILABLE: ErrorCode.UNAVAILABLE,
+    engine_pb2.ERROR_CODE_NOT_FOUND: ErrorCode.NOT_FOUND,
 }
 
 
@@ -42,6 +43,7 @@ def add_request(
     priority: int,
     arrival_time: float,
     trace_context: dict[str, str],
+    lora_name: str | None = None,
 ) -> engine_pb2.StreamRequest:
     add = engine_pb2.Add(
         request_id=request_id,
@@ -50,6 +52,7 @@ def add_request(
         priority=priority,
         arrival_time=arrival_time,
         trace_context=trace_context,
+        lora_name=lora_name or "",
     )
     return engine_pb2.StreamRequest(add=add)
 
@@ -160,6 +163,7 @@ def engine_load(load: engine_pb2.EngineLoad) -> EngineLoad:
         draining=load.draining,
         num_used_blocks=load.num_used_blocks,
         num_waiting_tokens=load.num_waiting_tokens,
+        lora_version=load.lora_version,
     )
 
 
@@ -173,4 +177,5 @@ def model_info(info: engine_pb2.GetModelInfoResponse) -> ModelInfo:
         block_size=info.block_size or 16,
         num_kv_blocks=info.num_kv_blocks,
         block_hash_algorithm=info.block_hash_algorithm,
+        lora_adapters={a.name: a.digest for a in info.lora_adapters},
     )

@@ -6,6 +6,11 @@
 With the prefix policy the router owns a PrefixIndex that every EngineClient feeds from
 its engine's prefix-cache events; a prompt is hashed once per request, only when there
 are two or more engines to choose from, and off the event loop when it is long.
+
+A request under a LoRA adapter goes only to engines that serve the adapter, and its
+prompt is hashed from the adapter's digest as those engines hash it
+(tandem_common/block_hash.py), so it is predicted to hit only blocks cached under the
+same adapter version.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,8 +34,9 @@ from frontend_svc.engine.routing import (
     choose_by_prefix,
     least_loaded,
 )
-from frontend_svc.types import EngineUnavailableError, ModelIdentity, ModelInfo
+from frontend_svc.types import CallError, EngineUnavailableError, ModelIdentity, ModelInfo
 from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks
+from tandem_common.types import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,7 @@ logger = logging.getLogger(__name__)
 # block of 16 costs 1-2 us here (4096 tokens about 0.3 ms, 32k tokens about 3 ms), and the
 # event loop serves every other call and stream meanwhile.
 HASH_OFF_LOOP_TOKENS = 4096
+LORA_REFRESH_S = 1.0  # an unknown adapter name asks the engines again at most this often
 
 
 class PromptBlocks:
@@ -46,18 +54,19 @@ class PromptBlocks:
     def __init__(self, token_ids: list[int], *, prompt_logprobs: bool = False) -> None:
         self.token_ids = token_ids
         self.prompt_logprobs = prompt_logprobs  # such requests hit nothing (the engine's rule)
-        self._hashes: dict[int, list[BlockHash]] = {}
+        self._hashes: dict[tuple[int, bytes | None], list[BlockHash]] = {}
 
-    async def hashes(self, block_size: int) -> list[BlockHash]:
-        """Hashes of the leading blocks an engine's prefix cache could serve (max_hit_blocks)."""
-        hashes = self._hashes.get(block_size)
+    async def hashes(self, block_size: int, salt: bytes | None = None) -> list[BlockHash]:
+        """Hashes of the leading blocks an engine's prefix cache could serve (max_hit_blocks),
+        the first chained to ``salt`` (a LoRA adapter's digest; None for the base model)."""
+        hashes = self._hashes.get((block_size, salt))
         if hashes is None:
             n = max_hit_blocks(len(self.token_ids), block_size, prompt_logprobs=self.prompt_logprobs)
             if n * block_size > HASH_OFF_LOOP_TOKENS:
-                hashes = await asyncio.to_thread(hash_blocks, self.token_ids, block_size, n)
+                hashes = await asyncio.to_thread(hash_blocks, self.token_ids, block_size, n, salt)
             else:
-                hashes = hash_blocks(self.token_ids, block_size, n)
-            self._hashes[block_size] = hashes
+                hashes = hash_blocks(self.token_ids, block_size, n, salt)
+            self._hashes[(block_size, salt)] = hashes
         return hashes
 
 
@@ -113,6 +122,7 @@ class EngineRouter:
         self._connected = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
         self._retire_tasks: set[asyncio.Task] = set()
+        self._lora_refreshed_s = 0.0
 
     @property
     def clients(self) -> list[EngineClient]:
@@ -134,6 +144,28 @@ class EngineRouter:
     @property
     def model_info(self) -> ModelInfo | None:
         return next((c.model_info for c in self._clients.values() if c.connected and c.model_info), None)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters some connected engine serves, by name."""
+        names = {n for c in self._clients.values() if c.connected and c.model_info for n in c.model_info.lora_adapters}
+        return sorted(names)
+
+    async def check_lora(self, name: str) -> None:
+        """Raise NOT_FOUND unless some connected engine serves adapter ``name``; an unknown name
+        first asks every engine again (at most every LORA_REFRESH_S): one may have just loaded it."""
+        if name in self.lora_adapters:
+            return
+        if time.monotonic() - self._lora_refreshed_s >= LORA_REFRESH_S:
+            self._lora_refreshed_s = time.monotonic()
+            await asyncio.gather(*(c.refresh_model_info() for c in self.clients if c.connected))
+            if name in self.lora_adapters:
+                return
+        info = self.model_info
+        served = ([repr(info.model_name)] if info else []) + [repr(n) for n in self.lora_adapters]
+        raise CallError(
+            ErrorCode.NOT_FOUND, f"model: no engine serves {name!r}; served: {', '.join(served) or 'none yet'}"
+        )
 
     def engine_figures(self) -> dict[str, tuple[int, int]]:
         """{address: (load tokens, blocks the prefix index holds)} of the connected engines and
@@ -169,36 +201,42 @@ class EngineRouter:
     async def wait_connected(self, timeout: float | None = None) -> None:
         await asyncio.wait_for(self._connected.wait(), timeout)
 
-    def pick(self, exclude: Sequence[EngineClient] = ()) -> EngineClient:
-        """The least loaded available engine (``EngineClient.load_tokens``); ties at random."""
-        candidates = self._available(exclude)
+    def pick(self, exclude: Sequence[EngineClient] = (), lora_name: str | None = None) -> EngineClient:
+        """The least loaded available engine (``EngineClient.load_tokens``) that serves
+        ``lora_name`` (None: the base model); ties at random."""
+        candidates = self._available(exclude, lora_name)
         return candidates[least_loaded([Candidate(c.load_tokens) for c in candidates])]
 
-    async def route(self, prompt: PromptBlocks, exclude: Sequence[EngineClient] = ()) -> Route:
-        """Where ``prompt``'s request goes, by the policy; raises EngineUnavailableError when nowhere."""
-        candidates = self._available(exclude)
+    async def route(
+        self, prompt: PromptBlocks, exclude: Sequence[EngineClient] = (), lora_name: str | None = None
+    ) -> Route:
+        """Where ``prompt``'s request goes, by the policy, among the engines that serve
+        ``lora_name``; raises EngineUnavailableError when nowhere."""
+        candidates = self._available(exclude, lora_name)
         if self.index is None:
-            return Route(self.pick(exclude), RoutingReason.LEAST_LOAD)
+            return Route(self.pick(exclude, lora_name), RoutingReason.LEAST_LOAD)
         if len(candidates) == 1:
             return Route(candidates[0], RoutingReason.SINGLE_ENGINE)
-        block_sizes = {c.model_info.block_size for c in candidates if c.predicts_prefix_hits and c.model_info}
-        matches = {bs: self.index.match(await prompt.hashes(bs)) for bs in sorted(block_sizes)}
-        candidates = self._available(exclude)  # the awaits may have let engines come or go
+        keys = {key for c in candidates if (key := _hash_key(c, lora_name)) is not None}
+        matches = {key: self.index.match(await prompt.hashes(*key)) for key in sorted(keys, key=str)}
+        candidates = self._available(exclude, lora_name)  # the awaits may have let engines come or go
         figures = []
         for c in candidates:
             hit = 0
-            if c.predicts_prefix_hits and c.model_info is not None and c.model_info.block_size in matches:
-                hit = matches[c.model_info.block_size].get(c.address, 0) * c.model_info.block_size
+            key = _hash_key(c, lora_name)
+            if key is not None and key in matches:
+                hit = matches[key].get(c.address, 0) * key[0]
             figures.append(Candidate(c.load_tokens, hit, self.index.num_blocks(c.address)))
         i, reason = choose_by_prefix(figures, self.load_threshold_tokens)
         chosen = candidates[i]
         return Route(chosen, reason, figures[i].hit_tokens if chosen.predicts_prefix_hits else None)
 
-    def _available(self, exclude: Sequence[EngineClient]) -> list[EngineClient]:
-        candidates = [c for c in self._clients.values() if c.available and c not in exclude]
+    def _available(self, exclude: Sequence[EngineClient], lora_name: str | None = None) -> list[EngineClient]:
+        candidates = [c for c in self._clients.values() if c.available and c not in exclude and c.serves(lora_name)]
         if not candidates:
+            serving = "" if lora_name is None else f" serving LoRA adapter {lora_name!r}"
             raise EngineUnavailableError(
-                f"no engine is available ({len(self._clients)} known, {self.num_connected} connected, "
+                f"no engine{serving} is available ({len(self._clients)} known, {self.num_connected} connected, "
                 "none accepting requests); retry later"
             )
         return candidates
@@ -300,6 +338,13 @@ class EngineRouter:
             del self._clients[client.address]
             await client.close("the engine vanished from DNS")
             self._changed()
+
+
+def _hash_key(client: EngineClient, lora_name: str | None) -> tuple[int, bytes | None] | None:
+    """(block size, salt) the engine hashes ``lora_name``'s prompts with; None: no prediction."""
+    if not client.predicts_prefix_hits or client.model_info is None:
+        return None
+    return client.model_info.block_size, client.lora_digest(lora_name)
 
 
 def parse_dns_target(target: str) -> tuple[str, int]:

@@ -168,7 +168,7 @@ def _logprob(lp: LogprobText) -> generate_pb2.Logprob:
 
 
 def model_info_response(
-    info: ModelInfo, *, has_chat_template: bool, num_engines: int
+    info: ModelInfo, *, has_chat_template: bool, num_engines: int, lora_adapters: list[str]
 ) -> generate_pb2.GetModelInfoResponse:
     response = generate_pb2.GetModelInfoResponse(
         model_name=info.model_name,
@@ -177,6 +177,7 @@ def model_info_response(
         eos_token_ids=info.eos_token_ids,
         has_chat_template=has_chat_template,
         num_engines=num_engines,
+        lora_adapters=lora_adapters,
     )
     if info.bos_token_id is not None:
         response.bos_token_id = info.bos_token_id

@@ -19,6 +19,8 @@ import asyncio
 import logging
 import time
 
+import grpc
+
 from frontend_svc.service.fair_share import FairShare, client_of
 from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode
@@ -38,9 +40,23 @@ class Call:
         self.stalled = False  # cancelled by the sweeper: the client stopped reading
 
     async def write(self, context, response) -> None:
+        """Writes ``response``; raises CancelledError when the call is already over."""
         self.writing_since = time.monotonic()
-        await context.write(response)
+        try:
+            await context.write(response)
+        except grpc.aio.InternalError as e:
+            raise call_over(e) from e
         self.writing_since = 0.0
+
+
+def call_over(error: grpc.aio.InternalError) -> asyncio.CancelledError:
+    """What a handler raises when gRPC could not send on its call (a message, the status)
+    because the call had already ended: the client cancelled, its deadline passed. gRPC
+    tells the handler's task of the end by cancelling it, but from another completion,
+    which may come after the failed send's; an ExecuteBatchError (an InternalError)
+    escaping the handler first is logged by grpc.aio with a traceback, as if the servicer
+    had failed. CancelledError is what the handler would have got a moment later."""
+    return asyncio.CancelledError(f"the call ended before gRPC could send on it: {error}")
 
 
 class InFlightCalls:

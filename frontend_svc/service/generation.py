@@ -92,6 +92,15 @@ class Generation:
             raise CallError(ErrorCode.UNAVAILABLE, "no engine is connected yet; retry later")
         return self.loaded_tokenizer(), info
 
+    async def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a client's model name asks for: None for no name or the served
+        model's; CallError NOT_FOUND for a name no engine serves."""
+        info = self.router.model_info
+        if not model or (info is not None and model == info.model_name):
+            return None
+        await self.router.check_lora(model)
+        return model
+
     def token_texts(self) -> TokenTexts:
         if self.texts is None:
             if self.tokenizer_problem is not None:
@@ -122,7 +131,7 @@ class Generation:
         failure: Exception | None = None
         while True:
             try:
-                route = await self.router.route(prompt, exclude=tried)
+                route = await self.router.route(prompt, exclude=tried, lora_name=plan.lora_name)
                 client = route.client
             except EngineUnavailableError:
                 if failure is not None:  # the retry found no engine: the first failure says more
@@ -182,6 +191,7 @@ class Generation:
                         wakeup=wakeup,
                         stream_interval=self.stream_interval,
                         num_prefill_tokens=num_prefill_tokens,
+                        lora_name=plan.lora_name,
                     )
                 )
             logger.debug(

@@ -103,6 +103,7 @@ class GenerateInput:
     return_token_ids: bool = False
     priority: int = 0
     tools: ToolRequest = field(default_factory=ToolRequest)
+    lora_name: str | None = None  # the LoRA adapter the client's model names (checked: Generation.lora_name)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Plan:
     params: SamplingParams  # choice 0's; choice i gets seed + i and no prompt logprobs
     text: TextParams
     priority: int
+    lora_name: str | None = None  # the LoRA adapter to run under; None: the base model
 
     def engine_params(self, i: int) -> SamplingParams:
         if i == 0:
@@ -203,7 +205,7 @@ def plan_generate(
         prompt_logprobs=params.prompt_logprobs is not None,
         message=message,
     )
-    return Plan(prompt, request.n, params, text, request.priority)
+    return Plan(prompt, request.n, params, text, request.priority, request.lora_name)
 
 
 def _too_long(num_tokens: int, max_model_len: int) -> str:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import replace
 
 import grpc
 
 from frontend_svc.engine.router import EngineRouter
 from frontend_svc.service import convert
-from frontend_svc.service.flow import Call, InFlightCalls
+from frontend_svc.service.flow import Call, InFlightCalls, call_over
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
@@ -104,7 +105,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             call = self.calls.enter(context)
             tokenizer, info = self.generation.ready()
             check_sizes(convert.request_sizes(request), self.limits, info)
-            plan = await self._off_loop(request, self._plan, request, tokenizer, info)
+            lora_name = await self.generation.lora_name(request.model)
+            plan = await self._off_loop(request, self._plan, request, tokenizer, info, lora_name)
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
             pieces = self.generation.stream(plan, stats, context.add_done_callback)
@@ -126,10 +128,16 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 self.calls.leave(call)
             stats.end(code, message)  # metrics, span, the request's log line
         if code is not grpc.StatusCode.OK:
-            await context.abort(code, message)
+            try:
+                await context.abort(code, message)
+            except grpc.aio.InternalError as e:
+                raise call_over(e) from e
 
-    def _plan(self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo) -> Plan:
-        return plan_generate(convert.generate_input(request), tokenizer, info, self.limits, self.generation.parsers)
+    def _plan(
+        self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo, lora_name: str | None
+    ) -> Plan:
+        gen = replace(convert.generate_input(request), lora_name=lora_name)
+        return plan_generate(gen, tokenizer, info, self.limits, self.generation.parsers)
 
     # -- unary RPCs ---------------------------------------------------------------------------
 
@@ -181,6 +189,7 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 info,
                 has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
                 num_engines=self.router.num_connected,
+                lora_adapters=self.router.lora_adapters,
             )
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected yet; retry later")
 

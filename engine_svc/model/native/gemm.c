@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "gemm_bf16.h"
+#include "gemm_lora.h"
 #include "tandem_kernels.h"
 
 #if defined(__AVX512F__)
@@ -112,6 +113,8 @@ static inline __attribute__((always_inline)) void micro_tile(
     }
 }
 
+#include "gemm_lora.h" /* the LoRA term, on micro_tile */
+
 typedef struct {
     const void *a; /* float32 A (converted when the caller's A is bfloat16), or bfloat16 pairs (dp) */
     int lda;
@@ -124,6 +127,7 @@ typedef struct {
     int ldc, cdtype;
     int N, K; /* N: columns of C; K: of A, rounded up to pairs where dp */
     int epilogue;
+    const tk_lora *lora; /* a LoRA term per row (gemm_lora.h), or NULL */
 } gemm_args;
 
 /* cs [rows][NR] = A[m0..m1) @ panel p, K in slices of KC so that the panel's slice stays
@@ -209,6 +213,10 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
         float *gate = cs, *up = cs + (size_t)rows * NR;
         BLOCK_TIMES_PANEL(g, m0, m1, 2 * q, gate);
         BLOCK_TIMES_PANEL(g, m0, m1, 2 * q + 1, up);
+        if (g->lora) { /* before SiLU: the adapter changes the gate and up projections */
+            lora_up_tile(g->lora, m0, m1, 2 * q, gate);
+            lora_up_tile(g->lora, m0, m1, 2 * q + 1, up);
+        }
         /* In vectors: the epilogue's exp costs as much as a scalar loop's whole tile of
          * multiply-adds (vsilu is silu lane by lane, same operations, same bits). */
         for (int r = 0; r < rows; r++) {
@@ -227,6 +235,7 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
         return;
     }
     BLOCK_TIMES_PANEL(g, m0, m1, q, cs);
+    if (g->lora) lora_up_tile(g->lora, m0, m1, q, cs);
     for (int r = 0; r < rows; r++) {
         float *cr = cs + (size_t)r * NR;
         if (g->bias)
@@ -236,10 +245,11 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
 }
 
 /* Returns 0, 1 if scratch memory could not be allocated, or 2 on a bad argument. ws: M * K
- * floats when adtype is bfloat16. With TK_BF16_DP, bfloat16 panels take bfloat16 A only (the
- * products are of bfloat16 pairs; ws then holds A's rows in the pair layout). */
+ * floats when adtype is bfloat16; lora: a LoRA term per row (gemm_lora.h), or NULL. With
+ * TK_BF16_DP, bfloat16 panels take bfloat16 A only (the products are of bfloat16 pairs; ws
+ * then holds A's rows in the pair layout). */
 int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, const float *bias, void *c, int ldc,
-            int cdtype, int M, int N, int K, int epilogue, float *ws, int num_threads) {
+            int cdtype, int M, int N, int K, int epilogue, float *ws, const tk_lora *lora, int num_threads) {
     if (M < 0 || N <= 0 || K <= 0 || (epilogue != EPI_NONE && epilogue != EPI_SILU_MUL)) return 2;
     if (M == 0) return 0;
     if (adtype == TK_BF16 && ws == NULL) return 2;
@@ -260,6 +270,7 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
         .N = N,
         .K = dp ? kp : K,
         .epilogue = epilogue,
+        .lora = lora,
     };
     const int num_tiles = (N + NR - 1) / NR;
     /* Rows per block: A's block stays within ~384 KiB of L2. */
@@ -290,6 +301,17 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
                 float *dst = ws + (size_t)m * K;
                 for (int k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
             }
+        }
+        if (lora) { /* every row's down-projection, before any tile adds it */
+            float *buf = adtype == TK_BF16 ? malloc(sizeof(float) * LORA_MR * (size_t)K) : NULL;
+            if (adtype == TK_BF16 && buf == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; m += MR)
+                if (adtype != TK_BF16 || buf != NULL) lora_down_rows(lora, a, lda, adtype, K, m, m + MR < M ? m + MR : M, buf);
+            free(buf);
         }
         for (;;) {
             int item;

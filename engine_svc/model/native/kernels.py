@@ -25,7 +25,7 @@ _SIGNATURES = {
     "tk_gemm_panel_k": [_I, _I],
     "tk_gemm_bf16_dp": [],
     "tk_gemm_pack": [_P, _I, _I, _I, _I, _P, _I],
-    "tk_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I],
+    "tk_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I],
     "tk_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
     "tk_silu_mul": [_P, _P, _I, _I, _I, _I],
     "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
@@ -37,6 +37,34 @@ _SIGNATURES = {
 
 class KernelError(RuntimeError):
     pass
+
+
+class LoraTerm(ctypes.Structure):
+    """gemm.c's ``tk_lora`` (gemm_lora.h): a LoRA term per row, added inside the GEMM.
+
+    Built once per layer by ``NativeKernels.lora_term``, which checks the slot tensors (their
+    storage never moves: slots are written in place); ``for_rows`` points it at a step's
+    rows. Whoever builds one keeps its tensors alive while it is used."""
+
+    _fields_ = [
+        ("row_slot", ctypes.c_void_p),  # int32 [M]: the row's adapter slot, or -1
+        ("la", ctypes.c_void_p),  # [S, K, R]: lora_A^T of every slot
+        ("lb", ctypes.c_void_p),  # [S, NP, R, NR]: lora_B^T x scale per weight panel
+        ("ranks", ctypes.c_void_p),  # int32 [S]: ranks each slot uses
+        ("spans", ctypes.c_void_p),  # int32 [S, NP, 2]: the ranks [t0, t1) each weight panel adds
+        ("r", ctypes.c_int),  # R: ranks, a whole number of vectors
+        ("np", ctypes.c_int),
+        ("xa", ctypes.c_void_p),  # float32 workspace, >= M x R
+        ("ldtype", ctypes.c_int),  # la and lb: float32 or bfloat16
+    ]
+
+    def for_rows(self, row_slot: torch.Tensor, xa: torch.Tensor) -> LoraTerm:
+        """This term for a step's rows: ``row_slot`` int32 [M] (slots below S, the caller's
+        promise), ``xa`` a float32 workspace of at least M x R; both contiguous."""
+        if xa.numel() < row_slot.shape[0] * self.r:
+            raise ValueError("lora term: the workspace holds fewer than M x R floats")
+        self.row_slot, self.xa = row_slot.data_ptr(), xa.data_ptr()
+        return self
 
 
 def _code(t: torch.Tensor) -> int:
@@ -117,8 +145,39 @@ class NativeKernels:
             padded = torch.stack(cols, 1).reshape(-1).contiguous() if silu_mul else cols[0].reshape(-1).contiguous()
         return PackedWeight(panels, padded, k, half, silu_mul)
 
-    def gemm(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-        """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype."""
+    def panel_columns(self, w: PackedWeight) -> int:
+        """Columns of the packed weight's panels: the width of a LoRA term's ``lb`` rows."""
+        return w.panels.numel() // self._lib.tk_gemm_panel_k(w.in_features, _code(w.panels))
+
+    def lora_term(
+        self, w: PackedWeight, la: torch.Tensor, lb: torch.Tensor, ranks: torch.Tensor, spans: torch.Tensor
+    ) -> LoraTerm:
+        """The ``lora`` argument of ``gemm`` for weight ``w`` (see ``LoraTerm``), its rows
+        set by ``LoraTerm.for_rows``; every rank at most R and every span within them are the
+        caller's promise (the C code trusts them)."""
+        _contiguous(la, lb, ranks, spans)
+        nr = self.panel_width
+        num_slots, r = la.shape[0], la.shape[-1]
+        num_panels = self.panel_columns(w) // nr
+        if ranks.dtype != torch.int32 or ranks.shape != (num_slots,):
+            raise ValueError("lora_term: ranks are int32, one per slot")
+        if spans.dtype != torch.int32 or spans.shape != (num_slots, num_panels, 2):
+            raise ValueError("lora_term: spans are int32 [slots, weight panels, 2]")
+        if la.dtype != lb.dtype or la.dtype not in DTYPE_CODES:
+            raise ValueError("lora_term: la and lb are both float32 or both bfloat16")
+        if (
+            r % self.vector_width
+            or la.shape != (num_slots, w.in_features, r)
+            or lb.shape != (num_slots, num_panels, r, nr)
+        ):
+            raise ValueError(f"lora_term: la {tuple(la.shape)} / lb {tuple(lb.shape)} do not fit the weight")
+        return LoraTerm(
+            None, la.data_ptr(), lb.data_ptr(), ranks.data_ptr(), spans.data_ptr(), r, num_panels, None, _code(la)
+        )
+
+    def gemm(self, x: torch.Tensor, w: PackedWeight, lora: LoraTerm | None = None) -> torch.Tensor:
+        """x [M, K] (row stride may exceed K) @ W^T (+ bias) -> [M, out_features], x's dtype;
+        with ``lora`` (``lora_term``, set for these M rows) each row adds its adapter's term."""
         if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
             raise ValueError(f"gemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
         if x.dtype != w.panels.dtype:  # bfloat16 dot products take pairs of bfloat16 only
@@ -132,7 +191,8 @@ class NativeKernels:
             x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), code,
             None if w.bias is None else w.bias.data_ptr(), out.data_ptr(), w.out_features, code,
             m, w.out_features, w.in_features, EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
-            None if ws is None else ws.data_ptr(), torch.get_num_threads(),
+            None if ws is None else ws.data_ptr(), None if lora is None else ctypes.byref(lora),
+            torch.get_num_threads(),
         )  # fmt: skip
         _check("gemm", rc)
         return out

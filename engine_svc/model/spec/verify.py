@@ -91,6 +91,10 @@ class PositionView:
         return self._request.grammar
 
     @property
+    def lora_slot(self) -> int | None:
+        return self._request.lora_slot
+
+    @property
     def num_computed_tokens(self) -> int:
         return self._request.num_computed_tokens + len(self._drafts)
 

@@ -32,8 +32,9 @@ from frontend_svc.service.http import anthropic_api, openai_requests, sse
 from frontend_svc.service.http.errors import HttpError, bad_request, from_call_error
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_responses import OpenAIAnswer
+from frontend_svc.service.http.pacing import Pacer, paced
 from frontend_svc.service.http.run import HttpRun, RunStream, as_call_error, collect, until_disconnect
-from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, check_ids, encode_prompt, render_chat
+from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, GenerateInput, check_ids, encode_prompt, render_chat
 from frontend_svc.types import CallError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class HttpFace:
         self.generation = generation
         self.serving = serving
         self.max_body_bytes = max_body_bytes
+        self.pacer = Pacer()  # streamed calls coalesce while the frontend is busy (pacing.py)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -69,7 +71,12 @@ class HttpFace:
             return _error(HttpError(503, "no engine is connected yet; retry later", retryable=True))
         model = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "tandem"}
         model["max_model_len"] = info.max_model_len
-        return JSONResponse({"object": "list", "data": [model]})
+        adapters = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "parent": info.model_name}
+            | {"max_model_len": info.max_model_len}
+            for name in self.generation.router.lora_adapters
+        ]
+        return JSONResponse({"object": "list", "data": [model, *adapters]})
 
     # -- OpenAI -------------------------------------------------------------------------------
 
@@ -83,7 +90,7 @@ class HttpFace:
         try:
             body = await self._body(request)
             req = openai_requests.chat_request(body) if chat else openai_requests.completion_request(body)
-            model = self._model(req.model)
+            model = await self._model(req.model, req.input)
             run = HttpRun(self.generation, request)
             try:
                 plan = await run.plan(req.input, "chat" if chat else "text_completion")
@@ -113,7 +120,7 @@ class HttpFace:
             try:
                 pieces = run.pieces(plan)
                 async with contextlib.aclosing(pieces):
-                    async for piece in sse.with_pings(pieces):
+                    async for piece in sse.with_pings(paced(pieces, self.pacer)):
                         yield sse.PING if piece is None else sse.data(answer.chunk(piece, usage=usage))
                 if req.include_usage:
                     yield sse.data(answer.usage_chunk())
@@ -133,7 +140,7 @@ class HttpFace:
         try:
             body = await self._body(request)
             req = anthropic_api.messages_request(body)
-            model = self._model(req.model)
+            model = await self._model(req.model, req.input)
             run = HttpRun(self.generation, request)
             try:
                 plan = await run.plan(req.input, "chat")
@@ -154,7 +161,7 @@ class HttpFace:
                     yield sse.event(name, event)
                 pieces = run.pieces(plan)
                 async with contextlib.aclosing(pieces):
-                    async for piece in sse.with_pings(pieces):
+                    async for piece in sse.with_pings(paced(pieces, self.pacer)):
                         if piece is None:
                             yield sse.event("ping", {"type": "ping"})
                             continue
@@ -173,7 +180,7 @@ class HttpFace:
     async def count_tokens(self, request: Request) -> Response:
         try:
             req = anthropic_api.messages_request(await self._body(request), count_only=True)
-            self._model(req.model)
+            await self._model(req.model)
             tokenizer, info = self._ready(anthropic_api.param_name)
             assert req.input.chat is not None
             chat = req.input.chat
@@ -192,7 +199,7 @@ class HttpFace:
         try:
             body = await self._body(request)
             f = Fields(body)
-            self._model(f.str("model"))
+            await self._model(f.str("model"))
             tokenizer, info = self._ready(openai_requests.param_name)
             if f.has("messages"):
                 chat = openai_requests.chat_request({**body, "stream": False, "stream_options": None}).input.chat
@@ -216,7 +223,7 @@ class HttpFace:
     async def detokenize(self, request: Request) -> Response:
         try:
             f = Fields(await self._body(request))
-            self._model(f.str("model"))
+            await self._model(f.str("model"))
             tokenizer, info = self._ready(openai_requests.param_name)
             ids = f.ints("tokens")
             if len(ids) > MAX_DETOKENIZE_IDS:
@@ -240,19 +247,25 @@ class HttpFace:
         except CallError as e:
             raise from_call_error(e, rename) from None
 
-    def _model(self, model: str | None) -> str:
-        """The served model's name; a request that names another model gets 404, as from OpenAI."""
+    async def _model(self, model: str | None, gen: GenerateInput | None = None) -> str:
+        """The model the request names: the served model, or one of the engines' LoRA
+        adapters (set as ``gen``'s); any other name gets 404, as from OpenAI."""
         info = self.generation.router.model_info
         if info is None:
             raise HttpError(503, "no engine is connected yet; retry later", retryable=True)
-        if model is not None and model != info.model_name:
+        try:
+            lora_name = await self.generation.lora_name(model)
+        except CallError:
+            served = ", ".join(repr(n) for n in [info.model_name, *self.generation.router.lora_adapters])
             raise HttpError(
                 404,
-                f"the model {model!r} does not exist; this server serves {info.model_name!r} (GET /v1/models)",
+                f"the model {model!r} does not exist; this server serves {served} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
-            )
-        return info.model_name
+            ) from None
+        if gen is not None:
+            gen.lora_name = lora_name
+        return lora_name or info.model_name
 
     async def _body(self, request: Request):
         declared = request.headers.get("content-length")

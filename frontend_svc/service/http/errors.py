@@ -24,6 +24,7 @@ _STATUS = {
     ErrorCode.UNAVAILABLE: (503, "service_unavailable"),
     ErrorCode.FAILED_PRECONDITION: (503, "service_unavailable"),
     ErrorCode.INTERNAL: (500, "internal_error"),
+    ErrorCode.NOT_FOUND: (404, "invalid_request_error"),  # a model (LoRA adapter) no engine serves
 }
 RETRY_AFTER_S = 1
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors").

@@ -40,6 +40,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
 GRAMMAR_SYNTAX_UNSPECIFIED: GrammarSyntax
 GRAMMAR_SYNTAX_LARK: GrammarSyntax
 GRAMMAR_SYNTAX_GBNF: GrammarSyntax
@@ -59,6 +60,7 @@ ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_NOT_FOUND: ErrorCode
 
 class StreamRequest(_message.Message):
     __slots__ = ("add", "abort", "subscribe_kv_events")
@@ -75,7 +77,7 @@ class SubscribeKvEvents(_message.Message):
     def __init__(self) -> None: ...
 
 class Add(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time", "trace_context")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time", "trace_context", "lora_name")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,13 +91,15 @@ class Add(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     priority: int
     arrival_time: float
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logit_bias", "json_schema", "json_object", "regex", "choice", "grammar", "json_whitespace", "json_lenient")
@@ -281,7 +285,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining", "num_paused", "num_waiting_tokens")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "num_used_blocks", "draining", "num_paused", "num_waiting_tokens", "lora_version")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +294,7 @@ class EngineLoad(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_PAUSED_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -298,14 +303,15 @@ class EngineLoad(_message.Message):
     draining: bool
     num_paused: int
     num_waiting_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_paused: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ...) -> None: ...
+    lora_version: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_used_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., num_paused: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., lora_version: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "block_size", "num_kv_blocks", "kv_capacity_tokens", "architecture", "device", "block_hash_algorithm")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "block_size", "num_kv_blocks", "kv_capacity_tokens", "architecture", "device", "block_hash_algorithm", "lora_adapters", "max_loras")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +324,8 @@ class GetModelInfoResponse(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -330,7 +338,47 @@ class GetModelInfoResponse(_message.Message):
     architecture: str
     device: str
     block_hash_algorithm: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., block_hash_algorithm: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    max_loras: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., architecture: _Optional[str] = ..., device: _Optional[str] = ..., block_hash_algorithm: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "digest", "max_rank", "loaded_at")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    digest: bytes
+    max_rank: int
+    loaded_at: float
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., digest: _Optional[bytes] = ..., max_rank: _Optional[int] = ..., loaded_at: _Optional[float] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

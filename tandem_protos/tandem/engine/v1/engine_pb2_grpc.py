@@ -92,6 +92,16 @@ class EngineServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/LoadLoraAdapter',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tandem.engine.v1.EngineService/UnloadLoraAdapter',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -166,6 +176,26 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter reads a PEFT LoRA adapter directory on the engine's file system and
+        serves it under a name that Add.lora_name may use from then on. Needs --enable-lora
+        (FAILED_PRECONDITION otherwise). INVALID_ARGUMENT names what the engine cannot serve
+        (DoRA, biases, an unknown target, a rank above --max-lora-rank, a shape mismatch);
+        ALREADY_EXISTS if the name is loaded (unload it first to load a new version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter stops serving an adapter. FAILED_PRECONDITION while unfinished
+        requests use it (it is never taken from a request half way): unload once they finish.
+        NOT_FOUND if no adapter has that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +218,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -336,6 +376,60 @@ class EngineService:
             '/tandem.engine.v1.EngineService/GetLoad',
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/LoadLoraAdapter',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineService/UnloadLoraAdapter',
+            tandem_dot_engine_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
