@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help='draft tokens verified in one step, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'; greedy and seeded outputs stay the same, '
-        "sampled ones keep their distribution (default: off)",
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
+        '"small.gguf"}\'; greedy and seeded outputs stay the same, sampled ones keep their distribution '
+        "(default: off)",
     )
 
     lo = p.add_argument_group("LoRA adapters (docs/lora.md)")
