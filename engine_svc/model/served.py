@@ -1,6 +1,7 @@
 """A checkpoint loaded for serving: weights read (a GGUF file's quantized blocks, a GPTQ /
-AWQ / compressed-tensors checkpoint's integers kept as they are), layers on the backend ``backend.py`` chooses. The runner's model and a
-speculative draft model are both loaded here.
+AWQ / compressed-tensors checkpoint's integers kept as they are), layers on the backend
+``backend.py`` chooses. The runner's model and a speculative draft model are both loaded
+here.
 
     model, args, backend = load_served_model(model_dir, build, kernels="auto", ...)
 """
