@@ -1,7 +1,7 @@
 """The quantized GEMM (quant.c) against the float32 packed GEMM (gemm.c), per row count.
 
     python -m benchmarks.quant_gemm [--rows 1 2 4 5 8 16 32 64 256] [--formats int4 int8]
-        [--threads 1] [--clock cpu|wall] [--repeats 5] [--json OUT]
+        [--threads 1] [--clock cpu|wall] [--repeats 7] [--json OUT]
 
 For each row count, the time of one pass over a model's linear layers (SmolLM2-135M's
 shapes: q/k/v fused 960 x 576, o 576 x 576, gate/up fused 3072 x 576, down 576 x 1536; 30
@@ -10,7 +10,8 @@ float32 on the native packed GEMM and on the quantized GEMM with the same
 weights quantized (int4: scale and min per group of 32, Q4_1's layout; int8: per group of
 32, Q8_0's), float32 activations. ``--clock cpu`` times by the process's CPU time (for a
 shared machine; use it with one thread), ``wall`` by the clock. Each figure is the median of
-``--repeats`` timed runs of enough passes to take ~0.2 s. Prints one line per row count with
+``--repeats`` timed runs of enough passes to take ~0.2 s, the formats timed in turns. Prints
+one line per row count with
 the ratio float32 / quantized (above 1: the quantized GEMM is faster), the CPU and the load
 average.
 """
@@ -35,22 +36,25 @@ NUM_LAYERS = 30
 QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
 
 
-def timed(fn: Callable[[], object], clock: Callable[[], float], repeats: int) -> float:
-    """Median seconds per call of ``fn``."""
-    fn()
-    start, calls = clock(), 0
-    while clock() - start < 0.05 or calls < 3:
+def timed(fns: dict[str, Callable[[], object]], clock: Callable[[], float], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, timed in turns (each repeat times every
+    function once), so that a change in the machine's load falls on all of them alike."""
+    passes = {}
+    for name, fn in fns.items():
         fn()
-        calls += 1
-    per = max((clock() - start) / calls, 1e-7)
-    n = max(3, int(0.2 / per))
-    samples = []
-    for _ in range(repeats):
-        start = clock()
-        for _ in range(n):
+        start, calls = clock(), 0
+        while clock() - start < 0.05 or calls < 3:
             fn()
-        samples.append((clock() - start) / n)
-    return statistics.median(samples)
+            calls += 1
+        passes[name] = max(3, int(0.2 / max((clock() - start) / calls, 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = clock()
+            for _ in range(passes[name]):
+                fn()
+            samples[name].append((clock() - start) / passes[name])
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", nargs="+", default=["int4", "int8"], choices=sorted(QUANTIZERS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="activations")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -83,11 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.rows:
         xs = {name: torch.randn(m, k).to(dtype) for name, (_, k) in SHAPES.items()}
         row: dict[str, object] = {"rows": m}
-        f32 = timed(lambda xs=xs: [kernels.gemm(xs[n], w) for n, w in packed], clock, args.repeats)
+        fns = {"float32": lambda xs=xs: [kernels.gemm(xs[n], w) for n, w in packed]}
+        for f in args.formats:
+            fns[f] = lambda f=f, xs=xs: [kernels.qgemm(xs[n], w) for n, w in quantized[f]]
+        times = timed(fns, clock, args.repeats)
+        f32 = times["float32"]
         row["float32_ms"] = 1e3 * f32
         line = f"rows {m:4d}: float32 {row['float32_ms']:8.2f} ms"
         for f in args.formats:
-            q = timed(lambda f=f, xs=xs: [kernels.qgemm(xs[n], w) for n, w in quantized[f]], clock, args.repeats)
+            q = times[f]
             row[f"{f}_ms"] = 1e3 * q
             row[f"{f}_speedup"] = f32 / q
             line += f" | {f} {row[f'{f}_ms']:8.2f} ms ({f32 / q:.2f}x)"
