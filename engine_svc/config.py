@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default=d.quantization,
         choices=["auto", "none", "int8", "int4"],
-        help="auto: a GGUF file's quantized tensors stay quantized and run on the native quantized GEMM "
-        "(where the native kernels run), float checkpoints stay float; none: GGUF weights dequantized to "
+        help="auto: a quantized checkpoint's layers (a GGUF file's blocks; GPTQ, AWQ, compressed-tensors "
+        "W4A16 / W8A16 directories) stay quantized and run on the native quantized GEMM (where the native "
+        "kernels run), float checkpoints stay float; none: quantized weights dequantized to "
         "--dtype at load; int8 / int4: every linear layer but the LM head quantized at load (int8 "
         "symmetric, int4 with a min, groups of 32; needs the native kernels)",
     )

@@ -30,9 +30,10 @@ from engine_svc.model.args import ModelArgs
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.backend import KernelBuild, ModelBackend
 from engine_svc.model.gguf_checkpoint import gguf_source
+from engine_svc.model.hf_quantized import quantization_scheme
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import Transformer
-from engine_svc.model.loader import read_special_token_ids, resolve_dtype
+from engine_svc.model.loader import read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.lora import LoraSlots
 from engine_svc.model.sampler import Sampler
@@ -112,13 +113,13 @@ class ModelRunner:
         )
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:
-        """``--dtype``; ``auto`` on a GGUF file whose quantized layers stay quantized is float32:
-        the quantized GEMM computes in float32 whatever the activations' dtype, so bfloat16
-        would only round them (enough, on SmolLM2, to turn a near tie of its first answer
-        token the wrong way)."""
+        """``--dtype``; ``auto`` on a quantized checkpoint (a GGUF file, GPTQ / AWQ /
+        compressed-tensors) whose layers stay quantized is float32: the quantized GEMM
+        computes in float32 whatever the activations' dtype, so bfloat16 would only round
+        them (enough, on SmolLM2, to turn a near tie of its first answer token the wrong way)."""
         if dtype == "auto" and self.device.type == "cpu" and quantization in (None, "auto"):
-            if gguf_source(model_dir) is not None:
-                logger.info("dtype auto: float32, because a GGUF file's quantized layers compute in float32")
+            if gguf_source(model_dir) is not None or quantization_scheme(read_config(model_dir)) is not None:
+                logger.info("dtype auto: float32, because a quantized checkpoint's layers compute in float32")
                 return torch.float32
         return resolve_dtype(dtype, self.device)
 
@@ -150,8 +151,8 @@ class ModelRunner:
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
-        depend on it: the native kernels never split a sum across threads."""
-        return ThreadGovernor(torch.get_num_threads()) if self.matmuls == "native" else None
+        depend on it: the native kernels, float or quantized, never split a sum across threads."""
+        return ThreadGovernor(torch.get_num_threads()) if self.matmuls not in ("onednn", "torch") else None
 
     def _resolve_max_model_len(self, max_model_len: int | None) -> int:
         """``--max-model-len``, capped at the model's ``max_position_embeddings``."""
