@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default=d.quantization,
         choices=["auto", "none", "int8", "int4"],
-        help="auto: a GGUF file's quantized tensors stay quantized and run on the native quantized GEMM "
-        "(where the native kernels run), float checkpoints stay float; none: GGUF weights dequantized to "
+        help="auto: a quantized checkpoint's layers (a GGUF file's blocks; GPTQ, AWQ, compressed-tensors "
+        "W4A16 / W8A16 directories) stay quantized and run on the native quantized GEMM (where the native "
+        "kernels run), float checkpoints stay float; none: quantized weights dequantized to "
         "--dtype at load; int8 / int4: every linear layer but the LM head quantized at load (int8 "
         "symmetric, int4 with a min, groups of 32; needs the native kernels)",
     )
@@ -161,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help='draft tokens verified in one step, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'; greedy and seeded outputs stay the same, '
-        "sampled ones keep their distribution (default: off)",
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
+        '"small.gguf"}\'; greedy and seeded outputs stay the same, sampled ones keep their distribution '
+        "(default: off)",
     )
 
     lo = p.add_argument_group("LoRA adapters (docs/lora.md)")

@@ -81,6 +81,7 @@ class EngineCore:
             quantization=config.quantization,
             lora_slots=config.lora.num_slots if config.enable_lora else 0,
             max_lora_rank=config.lora.max_lora_rank,
+            **_draft_model(config),
         )
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -247,7 +248,18 @@ class EngineCore:
         )
 
     def warmup(self) -> None:
+        """A first step, then, with speculative decoding, the step costs its adaptive rule
+        weighs (timed dummy steps: a few seconds)."""
         self.runner.warmup()
+        sched, speculator = self.scheduler, self.scheduler.speculator
+        if speculator is not None:
+            max_rows = sched.max_num_seqs * (1 + speculator.config.num_speculative_tokens)
+            speculator.calibrate(
+                self.runner.time_steps,
+                self.runner.time_draft_passes if speculator.uses_draft_model else None,
+                max_rows=min(sched.max_num_batched_tokens, max_rows),
+                max_seqs=sched.max_num_seqs,
+            )
 
     def model_info(self) -> ModelInfo:
         runner = self.runner
@@ -375,6 +387,14 @@ class EngineCore:
 
 
 _counter = itertools.count()
+
+
+def _draft_model(config: EngineConfig) -> dict:
+    """The runner's draft-model arguments (speculative decoding's ``draft_model`` method)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return {}
+    return {"draft_model": spec.model, "draft_quantization": spec.quantization}
 
 
 def _lora_off() -> LoraRefusedError:

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from engine_svc.types import Logprob, RequestError, RequestView
 from tandem_common.outputs import EngineOutput as EngineOutput  # the per-request output both services share
 
+# A draft slot the runner's draft model fills in the step (``ScheduledRequest.draft_token_ids``
+# with the draft-model method): not a token id.
+MODEL_DRAFT = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -25,9 +29,10 @@ class ScheduledRequest:
     it forward in ``update_from_output``). ``block_ids`` is the request's whole block
     table, already long enough for ``start + num_new_tokens`` tokens plus the drafts.
 
-    ``draft_token_ids`` (speculative decoding, ``sched/spec.py``) are guesses of the
+    ``draft_token_ids`` (speculative decoding, ``sched/spec/``) are guesses of the
     tokens after the request's last one: the runner computes them as rows after the real
     ones and verifies them; only a chunk that reaches the end (``needs_sample``) has any.
+    With a draft model they are ``MODEL_DRAFT`` slots, which the runner fills first.
     """
 
     request: RequestView
@@ -77,17 +82,24 @@ class ModelRunnerOutput:
 
     A request scheduled with drafts gets ``spec_token_ids`` instead: the drafts verification
     accepted, then the token sampled after them (so at least one token), with one entry of
-    ``spec_logprobs`` per token when logprobs are asked.
+    ``spec_logprobs`` per token when logprobs are asked, and ``spec_num_drafts``: how many
+    of its drafts were verified (an output constraint cuts the ones it forbids).
+
+    ``execute_s`` is the step's time in the runner, less the draft model's passes, which
+    ``draft_passes`` lists as (rows, seconds): what the adaptive rule learns costs from.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprob] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    spec_num_drafts: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     # Requests the runner could not serve (an output constraint that failed mid-way): the
     # scheduler finishes them with this error instead of keeping a token.
     errors: dict[str, RequestError] = field(default_factory=dict)
+    execute_s: float = 0.0
+    draft_passes: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,7 @@ class StructuredStats:
 
 @dataclass(frozen=True)
 class SpecDecodeStats:
-    """Speculative decoding since the engine started, as totals (``engine_svc/sched/spec.py``)."""
+    """Speculative decoding since the engine started, as totals (``engine_svc/sched/spec/``)."""
 
     num_drafts: int = 0  # verifications of at least one draft token
     num_draft_tokens: int = 0

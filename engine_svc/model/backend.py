@@ -41,8 +41,12 @@ from engine_svc.model.quantized_layers import install_prequantized_linears, inst
 
 logger = logging.getLogger(__name__)
 
-Matmuls = Literal["native", "onednn", "torch", "int8", "int4", "gguf"]
+Matmuls = Literal["native", "onednn", "torch", "int8", "int4", "gguf", "gptq", "awq", "compressed-tensors"]
 _QUANTIZED: dict[str, Matmuls] = {"int8": "int8", "int4": "int4"}  # --quantization: the layers' own GEMM
+# Quantized checkpoints whose layers run as they come, on the quantized GEMM.
+_PREQUANTIZED: dict[str, Matmuls] = {
+    "gguf": "gguf", "gptq": "gptq", "awq": "awq", "compressed-tensors": "compressed-tensors"
+}  # fmt: skip
 
 
 def uses_native_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -114,15 +118,17 @@ def install_backend(
     batch_size_hint: int,
     quantization: str | None = None,
     prequantized: dict[str, QuantizedWeight] | None = None,
+    prequantized_source: str = "gguf",
     quantized_embeddings: dict[str, QuantizedWeight] | None = None,
 ) -> ModelBackend:
     """Swap the model's layers for the chosen backend's, in place; the one place that
     packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
     packed layout is chosen for; ``quantization`` (``--quantization``) keeps the linear
     layers' weights quantized on the native quantized GEMM, the LM head on the backend's;
-    ``prequantized`` are quantized weights read as they are (a GGUF file's), for the layers
-    they name; ``quantized_embeddings`` the same file's embedding and LM head blocks
-    (quantized_embeddings.py), beside the float head that wide steps keep."""
+    ``prequantized`` are quantized weights read as they are, for the layers they name, from
+    ``prequantized_source`` (a GGUF file's blocks; a GPTQ, AWQ or compressed-tensors
+    checkpoint's integers); ``quantized_embeddings`` a GGUF file's embedding and LM head
+    blocks (quantized_embeddings.py), beside the float head that wide steps keep."""
     if quantization is not None and kernels is None:
         raise ValueError(
             f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
@@ -146,7 +152,10 @@ def install_backend(
         install_quantized_embeddings(model, kernels, quantized_embeddings, dtype)
     backend = ModelBackend(
         kernels=kernels,
-        matmuls=_QUANTIZED.get(quantization or "", "gguf" if prequantized else matmuls if num_packed else "torch"),
+        matmuls=_QUANTIZED.get(
+            quantization or "",
+            _PREQUANTIZED[prequantized_source] if prequantized else matmuls if num_packed else "torch",
+        ),
         native_prefill=kernels is not None and kernels.supports_prefill_attention(model.args.head_dim),
         own_kernels=kernels is not None and matmuls == "native",
     )

@@ -15,6 +15,10 @@ q/k/v and gate/up are concatenated into the fused projections::
     model.layers.{i}.{pre,post}_feedforward_layernorm.weight -> layers.{i}.{pre,post}_ff_norm.weight  (Gemma 3)
     model.embed_tokens.weight / model.norm.weight / lm_head.weight   (lm_head absent when tied)
 
+A quantized checkpoint (GPTQ, AWQ, compressed-tensors: ``hf_quantized.py``) has its linear
+layers' integer tensors in place of their ``.weight``: ``quantized_linears`` reads them for
+the layers served quantized (fused as above), and the float load dequantizes the others.
+
 Mixture-of-experts layers (Mixtral's ``block_sparse_moe``, Qwen3-MoE's ``mlp``) stack their
 experts, each expert's gate and up concatenated as for the dense MLP::
 
@@ -36,8 +40,10 @@ from safetensors import safe_open
 
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.gguf_weights import read_gguf_tensors
+from engine_svc.model.hf_quantized import float_tensors, quantization_scheme, read_quantized_modules
 from engine_svc.model.llama import ModelArgs, Transformer
 from engine_svc.model.native.cpu import cpu_features
+from engine_svc.model.native.quant import QuantizedWeight, concat_rows
 from engine_svc.model.rope import RotaryEmbedding, rope_attention_scaling, rope_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -199,21 +205,58 @@ def load_model(
     A directory prepared from a GGUF file (``gguf_checkpoint.py``) holds a config.json but
     no safetensors: its weights come from the GGUF file it names, dequantized, except the
     weights of ``kept_modules`` (our module names), left on the meta device for layers that
-    will be served from the file's quantized blocks.
+    will be served from the file's quantized blocks. A quantized Hugging Face checkpoint's
+    layers are dequantized likewise, ``kept_modules`` left on the meta device.
     """
     model_dir = Path(model_dir)
     dtype = resolve_dtype(dtype, device)
-    args = ModelArgs.from_hf_config(read_config(model_dir))
+    config = read_config(model_dir)
+    args = ModelArgs.from_hf_config(config)
+
+    def kept(hf_name: str) -> bool:
+        mapped = our_name(hf_name)
+        return mapped is not None and mapped[0].removesuffix(".weight") in kept_modules
+
     gguf_path = gguf_source(model_dir)
     if gguf_path is not None:
-
-        def kept(hf_name: str) -> bool:
-            mapped = our_name(hf_name)
-            return mapped is not None and mapped[0].removesuffix(".weight") in kept_modules
-
         tensors, freq_factors = read_gguf_tensors(gguf_path, args, kept if kept_modules else None)
         return build_model(args, tensors, device, dtype, gguf_path, freq_factors=freq_factors)
+    scheme = quantization_scheme(config)
+    if scheme is not None:
+        quantized = float_tensors(_weight_files(model_dir), scheme, lambda module: kept(f"{module}.weight"))
+        return build_model(args, quantized, device, dtype, model_dir)
     return build_model(args, _safetensors_tensors(model_dir), device, dtype, model_dir)
+
+
+def quantized_linears(model_dir: str | Path) -> dict[str, QuantizedWeight] | None:
+    """A quantized Hugging Face checkpoint's linear layers in the kernels' layout, by our
+    module name, q/k/v and gate/up stacked (None for a float checkpoint). The LM head,
+    embeddings and MoE experts are left to the float load. Raises UnsupportedQuantization
+    (a ValueError) naming a layer the layout cannot hold."""
+    model_dir = Path(model_dir)
+    scheme = quantization_scheme(read_config(model_dir))
+    if scheme is None:
+        return None
+
+    def wanted(module: str) -> bool:
+        mapped = our_name(f"{module}.weight")
+        return mapped is not None and mapped[0] not in ("lm_head.weight", "embed_tokens.weight")
+
+    parts: dict[str, dict[int, QuantizedWeight]] = {}
+    whole: dict[str, QuantizedWeight] = {}  # one tensor in the file (Phi-3's fused projections too)
+    for module, weight in read_quantized_modules(_weight_files(model_dir), scheme, wanted).items():
+        mapped = our_name(f"{module}.weight")
+        assert mapped is not None
+        name, part = mapped[0].removesuffix(".weight"), mapped[1]
+        if part is None:
+            whole[name] = weight
+        else:
+            parts.setdefault(name, {})[part] = weight
+    for name, pieces in parts.items():
+        expected = _FUSED_PARTS[".".join(name.split(".")[-2:])]
+        if len(pieces) == expected:  # else a part is float: the whole layer stays float
+            whole[name] = concat_rows([pieces[i] for i in range(expected)])
+    return whole
 
 
 def _safetensors_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

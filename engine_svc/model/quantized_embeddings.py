@@ -51,13 +51,13 @@ class SplitHead(nn.Module):
     def __init__(self, kernels: NativeKernels, weight: QuantizedWeight, wide: nn.Module) -> None:
         super().__init__()
         self.kernels = kernels
-        self.weight_q = weight
+        self.weight_p = kernels.qpack(weight)  # the kernel's panels (native/quant_pack.py)
         self.wide = wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > NARROW_ROWS:
             return self.wide(x)
-        return self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_q)
+        return self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_p)
 
 
 def install_quantized_embeddings(

@@ -28,18 +28,17 @@ import torch
 
 from engine_svc.model.args import ModelArgs
 from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
-from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
+from engine_svc.model.backend import KernelBuild, ModelBackend
 from engine_svc.model.gguf_checkpoint import gguf_source
-from engine_svc.model.gguf_metadata import close_gguf
-from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quantized_linears
+from engine_svc.model.hf_quantized import quantization_scheme
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
 from engine_svc.model.llama import Transformer
-from engine_svc.model.loader import load_model, read_config, read_special_token_ids, resolve_dtype
+from engine_svc.model.loader import read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.lora import LoraSlots
-from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.sampler import Sampler
-from engine_svc.model.spec import VerifyRows
+from engine_svc.model.served import load_served_model
+from engine_svc.model.spec import DraftModel, VerifyRows, attention_rows
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import SamplingParams
@@ -49,6 +48,10 @@ logger = logging.getLogger(__name__)
 # Prompt rows per LM-head call when prompt logprobs are asked for; bounds the logits
 # tensor to PROMPT_LOGITS_CHUNK x vocab float32.
 PROMPT_LOGITS_CHUNK = 512
+# Timing dummy steps for speculative decoding's cost model (``time_steps``): the context
+# each dummy row attends to, and the most seconds spent on it.
+CALIBRATION_CONTEXT = 256
+CALIBRATION_BUDGET_S = 8.0
 
 
 class ModelRunner:
@@ -69,6 +72,8 @@ class ModelRunner:
         quantization: str | None = None,
         lora_slots: int = 0,
         max_lora_rank: int = 16,
+        draft_model: str | None = None,
+        draft_quantization: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype = self._resolve_dtype(dtype, model_dir, quantization)
@@ -84,6 +89,7 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
         self.block_size = block_size
+        self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache()
         self.workspace = self._allocate_workspace()
@@ -97,49 +103,45 @@ class ModelRunner:
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
-        prequantized = self._gguf_quantized(model_dir, build, quantization)
-        model, args = load_model(model_dir, self.device, self.dtype, kept_modules=prequantized or ())
-        gguf_path = gguf_source(model_dir)
-        embeddings = read_quantized_embeddings(gguf_path, args) if prequantized and gguf_path else None
-        backend = install_backend(
-            model,
-            build.result(),
-            wanted=kernels,
+        return load_served_model(
+            model_dir,
+            build,
+            kernels=kernels,
             device=self.device,
             dtype=self.dtype,
             batch_size_hint=batch_size_hint,
-            quantization=quantization if quantization in ("int8", "int4") else None,
-            prequantized=prequantized,
-            quantized_embeddings=embeddings,
+            quantization=quantization,
         )
-        close_gguf()  # every weight is copied out of the file by now
-        return model, args, backend
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:
-        """``--dtype``; ``auto`` on a GGUF file whose quantized layers stay quantized is float32:
-        the quantized GEMM computes in float32 whatever the activations' dtype, so bfloat16
-        would only round them (enough, on SmolLM2, to turn a near tie of its first answer
-        token the wrong way)."""
+        """``--dtype``; ``auto`` on a quantized checkpoint (a GGUF file, GPTQ / AWQ /
+        compressed-tensors) whose layers stay quantized is float32: the quantized GEMM
+        computes in float32 whatever the activations' dtype, so bfloat16 would only round
+        them (enough, on SmolLM2, to turn a near tie of its first answer token the wrong way)."""
         if dtype == "auto" and self.device.type == "cpu" and quantization in (None, "auto"):
-            if gguf_source(model_dir) is not None:
-                logger.info("dtype auto: float32, because a GGUF file's quantized layers compute in float32")
+            if gguf_source(model_dir) is not None or quantization_scheme(read_config(model_dir)) is not None:
+                logger.info("dtype auto: float32, because a quantized checkpoint's layers compute in float32")
                 return torch.float32
         return resolve_dtype(dtype, self.device)
 
-    @staticmethod
-    def _gguf_quantized(
-        model_dir: str, build: KernelBuild, quantization: str | None
-    ) -> dict[str, QuantizedWeight] | None:
-        """A GGUF file's quantized blocks as they are (``--quantization auto``, the default,
-        where the native kernels run; read first, so those layers are never dequantized);
-        else its weights are dequantized."""
-        gguf_path = gguf_source(model_dir)
-        if gguf_path is None or quantization not in (None, "auto"):
+    def _load_drafter(
+        self, path: str | None, quantization: str, model_dir: str, kernels: str, batch_size_hint: int
+    ) -> DraftModel | None:
+        """Speculative decoding's draft model, where one is configured (``model/spec/drafter.py``)."""
+        if path is None:
             return None
-        if build.result() is None:  # waits for the kernels: the quantized GEMM is theirs
-            logger.info("GGUF weights dequantized to the serving dtype: the quantized GEMM needs the native kernels")
-            return None
-        return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir)))
+        return DraftModel(
+            path,
+            target_dir=model_dir,
+            target_vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            kernels=kernels,
+            batch_size_hint=batch_size_hint,
+            quantization=quantization,
+        )
 
     def _lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots | None:
         """Slots for LoRA adapters around the backend's layers (model/lora/), or None: a
@@ -177,6 +179,8 @@ class ModelRunner:
             head_dim=args.head_dim,
             dtype=self.dtype,
         )
+        if self.drafter is not None:  # its cache has a block for every one of the target's
+            block_bytes += self.drafter.bytes_per_block
         num_blocks = size_kv_cache(
             num_kv_blocks=num_kv_blocks,
             kv_cache_bytes=kv_cache_bytes,
@@ -199,6 +203,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_kv_blocks)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
             self.num_kv_blocks,
@@ -222,32 +228,45 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_request_ids)
         output = ModelRunnerOutput()
         if scheduler_output.is_empty:
             return output
         # The batch order is the runner's alone (outputs are keyed by request id): decodes
-        # first, sorted by context length so that neighbours in a decode group pad little
-        # (by LoRA adapter first, so that each adapter's rows are one run in the GEMM's LoRA
-        # term), then prefill chunks.
+        # (with their drafts, which attend as decode rows: model/spec/layout.py) first,
+        # sorted by context length so that neighbours in a decode group pad little (by LoRA
+        # adapter first, so that each adapter's rows are one run in the GEMM's LoRA term),
+        # then prefill chunks.
         decodes = sorted(
-            (s for s in scheduler_output.scheduled if s.num_scheduled_tokens == 1),
+            (s for s in scheduler_output.scheduled if s.num_new_tokens == 1),
             key=lambda s: (-1 if s.request.lora_slot is None else s.request.lora_slot, s.start),
         )
-        chunks = [s for s in scheduler_output.scheduled if s.num_scheduled_tokens != 1]
+        chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
         batch = decodes + chunks
 
         t0 = time.perf_counter()
         if self.threads is not None:
             self.threads.before_step(scheduler_output.num_tokens)
+        # A draft model fills the scheduler's draft slots first (model/spec/drafter.py).
+        drafts = None if self.drafter is None else self.drafter.propose(batch, self.sampler)
+        if drafts is not None:
+            batch = drafts.batch
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
         # Each request with drafts samples at its last real row and at every draft row.
-        verify = VerifyRows.of(batch, sample_rows, sample_requests, self.sampler.state.grammars.num_valid_drafts)
+        verify = VerifyRows.of(
+            batch,
+            sample_rows,
+            sample_requests,
+            self.sampler.state.grammars.num_valid_drafts,
+            None if drafts is None else drafts.proposals,
+        )
         with torch.inference_mode():
             hidden = self._forward(batch, input_ids, positions, meta)  # [num_tokens, hidden]
             if verify.rows:
                 logits = self._logits(hidden, verify.rows)  # [num_sampled, vocab] float32
-                sampled = self.sampler.sample(logits, verify.views)
+                sampled = self.sampler.sample(logits, verify.views, verify.proposals)
                 output.errors.update(sampled.errors)
                 verify.accept(sampled, output)
             for job in logprob_jobs:
@@ -257,8 +276,14 @@ class ModelRunner:
                     logits = self._logits(hidden, job.rows[i : i + PROMPT_LOGITS_CHUNK])
                     targets = job.target_token_ids[i : i + PROMPT_LOGITS_CHUNK]
                     entries += self.sampler.prompt_logprobs(logits, targets, job.num_top)
+        seconds = time.perf_counter() - t0
         if self.threads is not None:
-            self.threads.after_step(time.perf_counter() - t0, self.step_work.of(batch))
+            self.threads.after_step(seconds, self.step_work.of(batch))
+        output.execute_s = seconds
+        if drafts is not None and self.drafter is not None:
+            self.drafter.commit(drafts, output)
+            output.execute_s -= drafts.seconds
+            output.draft_passes = drafts.passes
         return output
 
     def _forward(
@@ -279,17 +304,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index)).float()
 
     def _prepare_inputs(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        query_lens = [s.num_scheduled_tokens for s in batch]
-        starts = [s.start for s in batch]
+        query_lens, starts, block_tables = attention_rows(batch)
         token_ids: list[int] = []
-        for s, start in zip(batch, starts):
-            token_ids += s.request.all_token_ids[start : start + s.num_new_tokens]
+        for s in batch:
+            token_ids += s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
             token_ids += s.draft_token_ids
         positions = flat_positions(query_lens, starts)  # [num_tokens], CPU
         meta = AttentionMetadata.build(
             query_lens,
             starts,
-            [s.block_ids for s in batch],
+            block_tables,
             positions=positions,
             block_size=self.block_size,
             device=self.device,
@@ -320,6 +344,40 @@ class ModelRunner:
         self.execute(SchedulerOutput(scheduled=scheduled))
         self.sampler.forget([s.request.request_id for s in scheduled])
         logger.info("warmup step done")
+
+    def time_steps(self, sizes: list[int], repeats: int = 2) -> list[tuple[int, float]]:
+        """(rows, seconds) of dummy decode steps of each of ``sizes`` rows, the fastest of
+        ``repeats`` rounds (a round over every size, so that a burst of other work on the
+        machine spoils one measurement of a size, not all), within CALIBRATION_BUDGET_S:
+        sizes not reached are left out. Each row attends to CALIBRATION_CONTEXT tokens, in
+        the first KV blocks, which every row shares: call before serving, like warmup."""
+        context = min(CALIBRATION_CONTEXT, self.max_model_len - 1, self.num_kv_blocks * self.block_size - 1)
+        if context < 1:
+            return []
+        block_ids = list(range(-(-(context + 1) // self.block_size)))
+        token = self.bos_token_id if self.bos_token_id is not None and self.bos_token_id < self.vocab_size else 0
+        best: dict[int, float] = {}
+        start = time.perf_counter()
+        for round_ in range(repeats):
+            for n in sizes:
+                if time.perf_counter() - start > CALIBRATION_BUDGET_S * (round_ + 1) / repeats:
+                    break
+                scheduled = [
+                    ScheduledRequest(_WarmupRequest(f"calibrate-{i}", [token] * (context + 1), context), 1, block_ids)
+                    for i in range(n)
+                ]
+                seconds = self.execute(SchedulerOutput(scheduled=scheduled)).execute_s
+                best[n] = min(seconds, best.get(n, seconds))
+                self.sampler.forget([s.request.request_id for s in scheduled])
+        return sorted(best.items())
+
+    def time_draft_passes(self, sizes: list[int]) -> list[tuple[int, float]]:
+        """(rows, seconds) of the draft model's passes of each of ``sizes`` rows, timed as
+        ``time_steps`` times steps; none without a draft model."""
+        if self.drafter is None:
+            return []
+        context = min(CALIBRATION_CONTEXT, self.max_model_len - 1, self.num_kv_blocks * self.block_size - 1)
+        return self.drafter.time_passes(sizes, context, CALIBRATION_BUDGET_S / 2) if context >= 1 else []
 
 
 def lora_rows(batch: list[ScheduledRequest]) -> list[int] | None:

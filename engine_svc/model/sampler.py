@@ -33,6 +33,16 @@ from engine_svc.model.structured import BatchMask
 from engine_svc.types import Logprob, RequestError, RequestView
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """A draft token for one row, drawn from ``probs`` (the draft model's distribution,
+    [vocab] float32): the row keeps it with chance min(1, p/q), else draws from
+    norm(max(p - q, 0)), so its token is distributed exactly as without a draft."""
+
+    token_id: int
+    probs: torch.Tensor
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -53,8 +63,12 @@ class Sampler:
     # ------------------------------------------------------------------ public API
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[RequestView]) -> SamplerOutput:
-        """``logits`` [num_rows, >= vocab]: one row per request, in the order of ``requests``."""
+    def sample(
+        self, logits: torch.Tensor, requests: list[RequestView], proposals: Sequence[Proposal | None] | None = None
+    ) -> SamplerOutput:
+        """``logits`` [num_rows, >= vocab]: one row per request, in the order of ``requests``.
+        ``proposals``, where given, is one per row: a draft model's token for that row, kept
+        or replaced by rejection sampling (sampled rows without a seed only; others ignore it)."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
         if not requests:
@@ -64,14 +78,17 @@ class Sampler:
         x = self._process_logits(raw, requests, grammar)  # [num_rows, vocab]
 
         sampled_rows = [i for i, r in enumerate(requests) if not stages.is_greedy(r.sampling_params)]
+        row_proposals = [None] * len(requests) if proposals is None else proposals
         if not sampled_rows:
             token_ids = x.argmax(dim=-1)  # [num_rows]
         elif len(sampled_rows) == len(requests):
-            token_ids = self._sample_rows(x, requests)
+            token_ids = self._sample_rows(x, requests, row_proposals)
         else:
             rows = self._tensor(sampled_rows)
             token_ids = x.argmax(dim=-1)
-            token_ids[rows] = self._sample_rows(x[rows], [requests[i] for i in sampled_rows])
+            token_ids[rows] = self._sample_rows(
+                x[rows], [requests[i] for i in sampled_rows], [row_proposals[i] for i in sampled_rows]
+            )
 
         logprobs = self._sampled_logprobs(raw, token_ids, requests)
         errors = grammar.errors if grammar is not None else {}
@@ -169,8 +186,29 @@ class Sampler:
 
     # --------------------------------------------------------------------- sampling
 
-    def _sample_rows(self, x: torch.Tensor, requests: Sequence[RequestView]) -> torch.Tensor:
+    def _sample_rows(
+        self, x: torch.Tensor, requests: Sequence[RequestView], proposals: Sequence[Proposal | None]
+    ) -> torch.Tensor:
         """``x`` [S, vocab] processed logits of the non-greedy rows -> token ids [S]."""
+        probs = self.probabilities(x, requests)  # [S, vocab]
+        token_ids = stages.exponential_race(probs, self._uniform_noise(requests, probs.shape))
+        # A seeded row keeps the token its own generator draws (the same as without
+        # drafts); a draft is then kept only where it equals that token.
+        judged = [i for i, p in enumerate(proposals) if p is not None and requests[i].sampling_params.seed is None]
+        if judged:
+            rows = self._tensor(judged)
+            chosen = [proposals[i] for i in judged]
+            p, q = probs[rows], torch.stack([c.probs for c in chosen if c is not None])  # [n, vocab]
+            accept_uniform = torch.empty(len(judged), device=self.device).uniform_(generator=self.generator)
+            residual_uniform = torch.empty_like(p).uniform_(generator=self.generator)
+            draft = self._tensor([c.token_id for c in chosen if c is not None])
+            token_ids[rows] = stages.rejection_sample(p, q, draft, accept_uniform, residual_uniform)[0]
+        return token_ids
+
+    @torch.inference_mode()
+    def probabilities(self, x: torch.Tensor, requests: Sequence[RequestView]) -> torch.Tensor:
+        """``x`` [S, vocab] logits of non-greedy rows -> what each samples from [S, vocab]:
+        temperature, top-k, top-p, softmax, min-p (a new tensor; ``x`` is not written)."""
         params = [r.sampling_params for r in requests]
         vocab = x.shape[-1]
         # Always a fresh tensor, so the in-place steps below never touch the caller's logits.
@@ -183,7 +221,12 @@ class Sampler:
         probs = x.softmax(dim=-1)  # [S, vocab]
         if any(p.min_p > 0.0 for p in params):
             probs = stages.min_p_filter(probs, self._column([p.min_p for p in params]))  # min_p [S, 1]
-        return stages.exponential_race(probs, self._uniform_noise(requests, probs.shape))
+        return probs
+
+    @torch.inference_mode()
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``probs`` [S, vocab] from the sampler's own generator: [S]."""
+        return stages.exponential_race(probs, torch.empty_like(probs).uniform_(generator=self.generator))
 
     def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         """Mask ``x`` [S, vocab] in place to top-k, then top-p (vocab = no top-k). The

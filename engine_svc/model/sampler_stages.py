@@ -115,6 +115,24 @@ def exponential_race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor
     return (probs / q).argmax(dim=-1)
 
 
+def rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, accept_uniform: torch.Tensor, residual_uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan et al.'s rule, per row: keep ``draft`` [n] (drawn from ``q`` [n, vocab])
+    with probability min(1, p(draft) / q(draft)), else draw from norm(max(p - q, 0)); the
+    result is distributed as ``p`` [n, vocab]. ``accept_uniform`` [n] and
+    ``residual_uniform`` [n, vocab] (overwritten) are U[0, 1) draws. Returns (tokens [n],
+    whether the draft was kept [n]). A rejected draft has p < q there, so the residual
+    never draws it again; where p - q has no mass left (p = q), the draft is always kept.
+    """
+    p_draft = p.gather(1, draft.unsqueeze(1)).squeeze(1)  # [n]
+    q_draft = q.gather(1, draft.unsqueeze(1)).squeeze(1)  # [n]
+    kept = accept_uniform * q_draft < p_draft  # u < p / q, without dividing by q
+    residual = (p - q).clamp_min_(0.0)  # [n, vocab]; the race needs no normalising
+    resampled = exponential_race(residual, residual_uniform)
+    return torch.where(kept, draft, resampled), kept
+
+
 def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[Logprob]:
     """``logits`` [n, vocab] raw, ``token_ids`` [n] -> one Logprob per row."""
     if logits.shape[0] == 0:

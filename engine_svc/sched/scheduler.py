@@ -15,7 +15,7 @@ A paused request (``pause_requests``: its client cannot keep up with its output)
 taken out of both queues the same way, blocks given back, and parked in ``paused``
 until ``resume_requests`` puts it back in the waiting queue; ``schedule()`` never sees it.
 
-With a ``Speculator`` (``sched/spec.py``), a decoding request may also get draft tokens:
+With a ``Speculator`` (``sched/spec/``), a decoding request may also get draft tokens:
 their KV slots are reserved with its real token (and are the first thing given up when
 blocks run out), they take rows of the budget, and ``update_from_output`` moves
 ``num_computed_tokens`` past the accepted ones only.
@@ -278,6 +278,7 @@ class Scheduler:
         recompute when blocks run out. Returns (rows, budget left, whether it preempted)."""
         scheduled: dict[str, ScheduledRequest] = {}
         preempted = False
+        drafts = self._plan_drafts(budget)
         for request in list(self.running):
             if budget == 0:
                 break
@@ -289,7 +290,7 @@ class Scheduler:
             # Admission made sure the request fits the pool alone, so preempting the others
             # always makes room, unless the request is itself the victim first. Its drafts'
             # slots are not part of that promise: they go first.
-            draft_token_ids = self._drafts(request, num_new, budget)
+            draft_token_ids = drafts.get(request.request_id, [])[: budget - num_new]
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new + len(draft_token_ids))) is None:
                 if draft_token_ids:  # the draft slots go before any request is preempted
                     draft_token_ids = []
@@ -377,7 +378,8 @@ class Scheduler:
                 # Every emitted token but the last is an accepted draft: its K/V is written.
                 request.num_computed_tokens += len(new_token_ids) - 1
                 if s.draft_token_ids and self.speculator is not None:
-                    self.speculator.record(request_id, len(s.draft_token_ids), len(token_ids) - 1)
+                    num_verified = runner_output.spec_num_drafts.get(request_id)
+                    self.speculator.record(request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified)
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
                 self._release(request)
@@ -385,15 +387,15 @@ class Scheduler:
                 outputs.append(request_output(request, new_token_ids, logprobs, prompt_logprobs))
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
+        if self.speculator is not None:
+            self.speculator.observe(scheduler_output, runner_output)
         return outputs
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
-        """Draft tokens for a request that decodes this step (``sched/spec.py``), or []."""
-        if self.speculator is None or request.num_computed_tokens + num_new != request.num_tokens or num_new != 1:
-            return []
-        return self.speculator.propose(request, len(self.running), budget - num_new)
+    def _plan_drafts(self, budget: int) -> dict[str, list[int]]:
+        """Draft tokens of the requests that decode this step, by id (``sched/spec/``)."""
+        return {} if self.speculator is None else self.speculator.plan(self.running, budget)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -107,7 +107,7 @@ class EngineMetrics(RequestListener):
             "tandem_engine_spec_decode_num_drafts_total", "Verifications of speculative draft tokens", registry=r
         )
         self.spec_draft_tokens = Counter(
-            "tandem_engine_spec_decode_num_draft_tokens_total", "Speculative draft tokens proposed", registry=r
+            "tandem_engine_spec_decode_num_draft_tokens_total", "Speculative draft tokens verified", registry=r
         )
         self.spec_accepted_tokens = Counter(
             "tandem_engine_spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted", registry=r

@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from engine_svc.model.native.quant_gguf import BLOCK_BYTES, BLOCK_SIZE, from_gguf_blocks
+from engine_svc.model.native.quant_pack import pack_panels
 
 # Byte offsets of each block's float16 fields: random bytes there could spell inf or NaN.
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
@@ -33,7 +34,19 @@ def test_blocks_dequantize_as_the_reference_reader_does(name):
     want = quants.dequantize(raw, getattr(GGMLQuantizationType, name)).reshape(n, k)
     qw = from_gguf_blocks(name, raw, (n, k))
     np.testing.assert_array_equal(qw.dequantize().numpy(), want)
-    assert qw.nbytes <= raw.nbytes * 2  # kept near the file's size (float32 scales instead of float16)
+    assert qw.nbytes <= raw.nbytes * 2  # as read: float32 scales
+
+
+@pytest.mark.parametrize("name,extra", [("Q8_0", 0), ("Q4_1", 0), ("Q4_0", 2)])
+def test_packed_blocks_take_the_files_bytes(name, extra):
+    """Resident: float16 scales and mins as the file has them (Q4_0 adds its -8 d as a min,
+    2 bytes a block; Q5_x, held as int8, take 1.125 bytes a weight against the file's 0.75)."""
+    n, k = 64, 512
+    raw = _random_blocks(name, n, k, seed=7)
+    packed = pack_panels(from_gguf_blocks(name, raw, (n, k)), 32)
+    assert packed.scale.dtype == torch.float16
+    assert packed.nbytes <= raw.nbytes + extra * n * k // 32
+    assert torch.equal(packed.dequantize(), from_gguf_blocks(name, raw, (n, k)).dequantize())
 
 
 def test_types_that_cannot_stay_quantized_are_refused_by_name():

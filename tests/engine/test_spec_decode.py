@@ -26,7 +26,7 @@ from tests.model_factory import make_model_dir
 from tests.structured_cases import CONSTRAINTS, VALID
 
 VOCAB = 512
-SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=64)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, adaptive=False)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,10 @@ from tests.model_factory import make_model_dir
 from tests.rpc.frontend_calls import by_choice, generate, stub_of, text_of
 from tests.services import running_pair
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SPEC = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+    '"adaptive": false}'
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 

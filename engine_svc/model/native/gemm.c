@@ -30,16 +30,9 @@
 #include <stdlib.h>
 
 #include "gemm_bf16.h"
-#include "gemm_lora.h"
+#include "gemm_lora.h" /* its types; its code after gemm_tile.h */
+#include "gemm_tile.h" /* MR, NR, KC and the micro-tile, shared with quant.c */
 #include "tandem_kernels.h"
-
-#if defined(__AVX512F__)
-#define MR 12
-#else
-#define MR 6
-#endif
-#define NR (2 * TK_VL)
-#define KC (4096 / NR) /* K slice: a panel's slice is 16 KiB of float32, it stays in L1 */
 
 enum { EPI_NONE = 0, EPI_SILU_MUL = 1 };
 
@@ -70,50 +63,7 @@ void tk_gemm_pack(const void *w, int wdtype, int N, int K, int pairs, void *out,
     }
 }
 
-/* Rows of one micro-tile: acc (=|+=) A[0..mr)[0..kc) @ panel[0..kc)[0..NR), kept in cs [mr][NR].
- * pf: the weights one slice ahead, fetched into cache while this slice computes. Only the
- * first tile of a slice reads it from memory, and the hardware prefetcher alone does not
- * run far enough ahead of a tile that is busy with multiply-adds (a 49k-wide LM head at
- * decode sizes reached ~55% of the in-cache rate without it). */
-static inline __attribute__((always_inline)) void micro_tile(
-    const int mr, const float *a, int lda, const void *panel, int pdtype, int kc, float *cs, int first,
-    const char *pf) {
-    vf acc[MR][2];
-    for (int r = 0; r < mr; r++) {
-        acc[r][0] = first ? vzero() : vload(cs + r * NR);
-        acc[r][1] = first ? vzero() : vload(cs + r * NR + TK_VL);
-    }
-    if (pdtype == TK_BF16) {
-        const bf16 *b = (const bf16 *)panel;
-        for (int k = 0; k < kc; k++) {
-            __builtin_prefetch(pf + (size_t)k * NR * 2, 0, 3); /* NR bfloat16: 64 bytes (AVX512) or 32 */
-            const vf b0 = vload_bf16(b + (size_t)k * NR), b1 = vload_bf16(b + (size_t)k * NR + TK_VL);
-            for (int r = 0; r < mr; r++) {
-                const vf ar = vbcast(a[(size_t)r * lda + k]);
-                acc[r][0] += ar * b0;
-                acc[r][1] += ar * b1;
-            }
-        }
-    } else {
-        const float *b = (const float *)panel;
-        for (int k = 0; k < kc; k++) {
-            __builtin_prefetch(pf + (size_t)k * NR * 4, 0, 3);
-            if (NR * 4 > 64) __builtin_prefetch(pf + (size_t)k * NR * 4 + 64, 0, 3); /* AVX512: 2 lines per k */
-            const vf b0 = vload(b + (size_t)k * NR), b1 = vload(b + (size_t)k * NR + TK_VL);
-            for (int r = 0; r < mr; r++) {
-                const vf ar = vbcast(a[(size_t)r * lda + k]);
-                acc[r][0] += ar * b0;
-                acc[r][1] += ar * b1;
-            }
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        vstore(cs + r * NR, acc[r][0]);
-        vstore(cs + r * NR + TK_VL, acc[r][1]);
-    }
-}
-
-#include "gemm_lora.h" /* the LoRA term, on micro_tile */
+#include "gemm_lora.h" /* the LoRA term, on the micro-tile */
 
 typedef struct {
     const void *a; /* float32 A (converted when the caller's A is bfloat16), or bfloat16 pairs (dp) */
@@ -139,26 +89,8 @@ static void block_times_panel(const gemm_args *g, int m0, int m1, int p, float *
         const void *pk = panel + (size_t)k0 * NR * g->elem;
         /* The next slice, or the next panel's first: prefetching past the end is harmless. */
         const char *pf = (const char *)pk + (size_t)KC * NR * g->elem;
-        for (int m = m0; m < m1; m += MR) {
-            const float *a = (const float *)g->a + (size_t)m * g->lda + k0;
-            float *c = cs + (size_t)(m - m0) * NR;
-            switch (m1 - m < MR ? m1 - m : MR) { /* a literal row count per case: the tile stays in registers */
-#if MR > 6
-            case 12: micro_tile(12, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 11: micro_tile(11, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 10: micro_tile(10, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 9: micro_tile(9, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 8: micro_tile(8, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 7: micro_tile(7, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-#endif
-            case 6: micro_tile(6, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 5: micro_tile(5, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 4: micro_tile(4, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 3: micro_tile(3, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            case 2: micro_tile(2, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            default: micro_tile(1, a, g->lda, pk, g->pdtype, kc, c, k0 == 0, pf); break;
-            }
-        }
+        const float *a = (const float *)g->a + (size_t)m0 * g->lda + k0;
+        rows_times_slice(a, g->lda, m1 - m0, pk, g->pdtype, kc, cs, k0 == 0, pf);
     }
 }
 
@@ -217,19 +149,10 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
             lora_up_tile(g->lora, m0, m1, 2 * q, gate);
             lora_up_tile(g->lora, m0, m1, 2 * q + 1, up);
         }
-        /* In vectors: the epilogue's exp costs as much as a scalar loop's whole tile of
-         * multiply-adds (vsilu is silu lane by lane, same operations, same bits). */
+        const float *bg = g->bias ? g->bias + (size_t)(2 * q) * NR : NULL, *bu = bg ? bg + NR : NULL;
         for (int r = 0; r < rows; r++) {
-            float *gr = gate + (size_t)r * NR, *ur = up + (size_t)r * NR;
-            for (int j = 0; j < NR; j += TK_VL) {
-                vf x = vload(gr + j), u = vload(ur + j);
-                if (g->bias)
-                    x += vload(g->bias + (size_t)(2 * q) * NR + j), u += vload(g->bias + (size_t)(2 * q + 1) * NR + j);
-                if (bf) x = vround_bf16(x), u = vround_bf16(u);
-                x = vsilu(x);
-                if (bf) x = vround_bf16(x);
-                vstore(gr + j, x * u);
-            }
+            float *gr = gate + (size_t)r * NR;
+            silu_mul_row(gr, up + (size_t)r * NR, bg, bu, bf);
             store_row(g, (size_t)(m0 + r), col0, ncols, gr);
         }
         return;

@@ -22,8 +22,8 @@
  * (q, k and v each have their own ranks, and a panel of q columns adds nothing from k's).
  * A row with no slot is computed exactly as without this argument.
  *
- * The code uses gemm.c's micro_tile, MR and NR: gemm.c includes this header twice, the
- * types first, the code after micro_tile.
+ * The code uses gemm_tile.h's micro-tile, MR and NR: gemm.c includes this header twice, the
+ * types first, the code after gemm_tile.h.
  */
 #ifndef TANDEM_GEMM_LORA_TYPES
 #define TANDEM_GEMM_LORA_TYPES
@@ -80,26 +80,10 @@ static inline __attribute__((always_inline)) void lora_down_tile(
     default: lora_down_tile(mr, 1, __VA_ARGS__); break;            \
     }
 
-/* The micro-tile for a literal row count (so its accumulators stay in registers); cases
- * above MR only where MR allows them (an AVX2 build's tile has 6 rows). */
+/* cs [mr][NR] += A[0..mr)[0..kc) @ panel, mr <= MR (gemm_tile.h's micro-tile; an adapter's
+ * panel is small and read once, so nothing is fetched ahead). */
 static inline void lora_tile(int mr, const float *a, int lda, const void *panel, int pd, int kc, float *c) {
-    const char *pf = (const char *)panel;
-    switch (mr) {
-#if MR > 6
-    case 12: micro_tile(12, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 11: micro_tile(11, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 10: micro_tile(10, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 9: micro_tile(9, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 8: micro_tile(8, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 7: micro_tile(7, a, lda, panel, pd, kc, c, 0, pf); break;
-#endif
-    case 6: micro_tile(6, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 5: micro_tile(5, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 4: micro_tile(4, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 3: micro_tile(3, a, lda, panel, pd, kc, c, 0, pf); break;
-    case 2: micro_tile(2, a, lda, panel, pd, kc, c, 0, pf); break;
-    default: micro_tile(1, a, lda, panel, pd, kc, c, 0, pf); break;
-    }
+    rows_times_slice_(a, lda, mr, panel, pd, kc, c, 0, NULL, 0);
 }
 
 /* The end of the run of rows from m0 that share m0's slot, at most ``most`` rows. */

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from engine_svc.model.native.quant import QuantizedWeight
+from engine_svc.model.native.quant_pack import PackedQuantWeight, pack_panels
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
+_SCALE_CODES = {torch.float32: 0, torch.float16: 2}  # a quantized weight's scales (quant.c)
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
@@ -31,7 +33,7 @@ _SIGNATURES = {
     "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
     "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
     "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
-    "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _P, _L, _I, _I, _I, _I, _I],
+    "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _I, _P, _P, _L, _I, _I, _I, _I, _I, _I],
 }
 
 
@@ -197,19 +199,38 @@ class NativeKernels:
         _check("gemm", rc)
         return out
 
-    def qgemm(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-        """x [M, K] @ dequantized(W)^T -> [M, N] in x's dtype, W kept quantized (quant.c)."""
+    def qpack(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None = None, silu_mul: bool = False
+    ) -> PackedQuantWeight:
+        """``weight`` (and ``bias``) in this build's panels for ``qgemm`` (quant_pack.py). With
+        ``silu_mul``, the first half of the rows are the gate and the second the up projection."""
+        return pack_panels(weight, self.panel_width, bias, silu_mul)
+
+    def qgemm(self, x: torch.Tensor, w: PackedQuantWeight, pre_activation: bool = False) -> torch.Tensor:
+        """x [M, K] @ dequantized(W)^T (+ bias) -> [M, out_features] in x's dtype, W kept
+        quantized (quant.c); SiLU-and-multiply for a gate/up weight, unless ``pre_activation``:
+        then both halves, [M, 2 * out_features] = [gate | up]."""
         if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
             raise ValueError(f"qgemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
-        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        if w.panel_width != self.panel_width:
+            raise ValueError(f"qgemm: weight packed in panels of {w.panel_width}, this build's are {self.panel_width}")
+        raw = pre_activation and w.silu_mul  # every panel as it is: gate and up panels alternate
+        m, nr = x.shape[0], w.panel_width
+        n = w.qs.shape[0] * nr if raw else w.out_features
+        out = torch.empty(m, n, dtype=x.dtype)
         xf = x if x.dtype == torch.float32 else x.float()  # the kernel reads float32 rows
         rc = self._lib.tk_qgemm(
             xf.data_ptr(), xf.stride(0), w.bits, w.qs.data_ptr(), w.scale.data_ptr(),
-            None if w.min is None else w.min.data_ptr(), w.group, out.data_ptr(), out.stride(0), _code(out),
-            x.shape[0], w.out_features, w.in_features, torch.get_num_threads(),
+            None if w.min is None else w.min.data_ptr(), _SCALE_CODES[w.scale.dtype], w.group,
+            None if w.bias is None else w.bias.data_ptr(), out.data_ptr(), out.stride(0), _code(out),
+            m, n, w.in_features, EPILOGUE_SILU_MUL if w.silu_mul and not raw else EPILOGUE_NONE,
+            torch.get_num_threads(),
         )  # fmt: skip
         _check("qgemm", rc)
-        return out
+        if not raw:
+            return out
+        half, tiles = w.out_features, w.qs.shape[0] // 2
+        return out.view(m, tiles, 2, nr).transpose(1, 2).reshape(m, 2, tiles * nr)[:, :, :half].reshape(m, 2 * half)
 
     # -- small ops --------------------------------------------------------------------
 

@@ -1,227 +1,329 @@
 /*
- * Y = X @ W^T with W kept quantized: weight-only int8 and 4-bit GEMM.
+ * Y = X @ W^T (+ bias) with W kept quantized: weight-only int8 and 4-bit GEMM.
  *
- *   X  [M, K] float32 (row stride ldx); bfloat16 activations are widened by the caller
- *   W  [N, K] in groups of G consecutive weights along K, each with a float32 scale and
- *      (optionally) a float32 min:  w = q * scale + min
- *        kind 8: qs int8  [N, K]          (GGUF Q8_0, Q6_K as groups of 16, Q5_K's 5-bit
- *                                          values with their mins)
- *        kind 4: qs uint8 [N, K / 2]      (GGUF Q4_0 / Q4_1 / Q4_K): in group g of a row,
- *                byte j holds weight g*32 + j in its low nibble and g*32 + 16 + j in its high
- *      scale, min [N, K / G]
- *   Y  [M, N] float32 or bfloat16 (row stride ldy), rounded once
+ * W is packed at load (quant_pack.py) in the panels of the packed GEMM (gemm.c): panel p
+ * holds output columns p*NR .. p*NR+NR-1 (zero past N) with K down the rows, so that the NR
+ * weights of one k are one pair of vectors, dequantized without a transpose:
  *
- * Up to FUSED_MAX_ROWS rows of X (decode), each weight row is dequantized a group at a time
- * in registers and used at once. Past that, work is split by tiles of NT weight rows: a
- * tile's rows are dequantized into a float32
- * buffer (NT * K floats: 24 KiB at K = 1536, in L1/L2), then every row of X goes past it:
- * the quantized bytes stream from memory once per call, which is what bounds a decode step.
- * Each dot product is a sum of float32 multiply-adds of exactly the dequantized weight, so the
- * result is F.linear(X, dequantized W) up to the order of the additions.
+ *   kind 8: qs int8  [P][K][NR]          w[k][j] = q * scale + min
+ *   kind 4: qs uint8 [P][K/2][NR]        byte (k/2, j): k even in the low nibble, k + 1 in the high
+ *   scale, min [P][K/G][NR]               float32 or float16 (sdtype); min NULL: 0
+ *   bias [P * NR] float32 in panel order, or NULL
+ *
+ *   X  [M, K] float32, row stride ldx (bfloat16 activations are widened by the caller)
+ *   Y  [M, N] float32 or bfloat16, row stride ldy, rounded once
+ *
+ * With the SILU_MUL epilogue (gate/up projection) the panels alternate gate q / up q, as
+ * gemm.c packs pairs, and Y [M, N] = silu(X @ Wg^T) * (X @ Wu^T).
+ *
+ * Up to FUSED_MAX_ROWS rows (decode), each k's weights are dequantized in registers and used
+ * at once by every row: the quantized bytes are the only weight traffic. Wider, each K slice
+ * of a panel is dequantized into a float32 [kc][NR] buffer that stays in L1, and gemm.c's
+ * micro-tile (gemm_tile.h) runs the row block past it, so the multiply-adds run at the float
+ * GEMM's rate while the weights stream at a fifth of its bytes. Either way every output tile
+ * is summed whole by one thread, so results do not depend on the thread count; each sum is
+ * float32 multiply-adds of exactly the dequantized weights, F.linear(X, dequantized W) up to
+ * the order of the additions.
  */
 #include <stdlib.h>
 
+#include "gemm_tile.h" /* MR, NR, KC, the micro-tile, silu_mul_row */
 #include "tandem_kernels.h"
 
-#define NT 4
-#if defined(__AVX512F__)
-#define MT 4
-#else
-#define MT 2
-#endif
-
 enum { TK_Q8 = 8, TK_Q4 = 4 };
+enum { TK_F16 = 2 }; /* scale dtype beside TK_F32 */
+enum { EPI_NONE = 0, EPI_SILU_MUL = 1 };
 
-static inline vf widen_i8(const int8_t *p);
-static inline vf widen_nibbles(const uint8_t *p, int hi);
-
-static void dequant_row(int kind, const void *qs, const float *scale, const float *min, int group, int K, int n,
-                        float *out) {
-    const int ng = K / group;
-    const float *s = scale + (size_t)n * ng;
-    const float *mn = min ? min + (size_t)n * ng : NULL;
-    for (int g = 0; g < ng; g++) {
-        const vf sc = vbcast(s[g]), m0 = vbcast(mn ? mn[g] : 0.0f);
-        if (kind == TK_Q8) {
-            const int8_t *q = (const int8_t *)qs + (size_t)n * K + g * group;
-            for (int j = 0; j < group; j += TK_VL) vstore(out + g * group + j, widen_i8(q + j) * sc + m0);
-        } else {
-            const uint8_t *b = (const uint8_t *)qs + (size_t)n * (K / 2) + g * 16;
-            for (int j = 0; j < 16; j += TK_VL) {
-                vstore(out + g * 32 + j, widen_nibbles(b + j, 0) * sc + m0);
-                vstore(out + g * 32 + 16 + j, widen_nibbles(b + j, 1) * sc + m0);
-            }
-        }
-    }
-}
-
-static inline float hsum(vf v) {
+/* Rows that take the register path; past them the dequantized buffer is faster (measured
+ * on Zen 5 over SmolLM2's layers: at 8 rows 9.2 ms in registers, 11.8 through the buffer;
+ * at 9 to 16 rows two register passes were no faster than the buffer). AVX2 has 16
+ * registers, not 32: at 5 and 6 rows the two paths are even there. */
+#ifndef FUSED_MAX_ROWS
 #if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    const __m128 lo = _mm256_castps256_ps128((__m256)v), hi = _mm256_extractf128_ps((__m256)v, 1);
-    __m128 s = _mm_add_ps(lo, hi);
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-#endif
-}
-
-/* Few rows (a decode step's): each group of 32 weights is dequantized in registers and
- * used at once, so the quantized bytes are the only weight traffic. */
-/* Rows that take the fused path: on AVX512 (32 registers) up to 5, a speculative step's
- * 1 + 4 rows included (measured: at 8 rows the dequantized tile is faster); on AVX2 (16) up to 4. */
-#if defined(__AVX512F__)
-#define FUSED_MAX_ROWS 5
+#define FUSED_MAX_ROWS 8
 #else
 #define FUSED_MAX_ROWS 4
 #endif
+#endif
+/* Rows of the register path's accumulator array. Measured with GCC 12 on AVX2: sized for
+ * exactly 4 rows, 4 rows ran 1.5x slower than with the array sized for 6. */
+#define FUSED_ACC_ROWS (FUSED_MAX_ROWS < 6 ? 6 : FUSED_MAX_ROWS)
 
-/* TK_VL int8 / uint8 values -> float32 (sign- or zero-extended, then converted). */
-static inline vf widen_i8(const int8_t *p) {
+/* How far ahead of the dequantization the quantized bytes are fetched: the hardware
+ * prefetcher alone left a 16-row product ~25% slower from memory than from cache. */
+#ifndef PF_BYTES
+#define PF_BYTES 2048
+#endif
+
+typedef struct {
+    const float *x;
+    int ldx;
+    int kind;
+    const uint8_t *qs;
+    size_t panel_qbytes; /* bytes of qs per panel */
+    const void *scale, *min;
+    int sdtype, group, ng; /* ng: groups per column, K / group */
+    const float *bias;
+    void *y;
+    long ldy;
+    int ydtype;
+    int M, N, K, epilogue;
+} qargs;
+
+static inline vf vload_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #else
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #endif
 }
 
-/* The low (hi = 0) or high (hi = 1) nibbles of TK_VL bytes at p -> float32. */
-static inline vf widen_nibbles(const uint8_t *p, int hi) {
+/* The NR scales (or mins) at index at, as two vectors; zeros where base is NULL. */
+static inline void group_vectors(const void *base, int sdtype, size_t at, vf out[2]) {
+    if (base == NULL) {
+        out[0] = out[1] = vzero();
+    } else if (sdtype == TK_F16) {
+        out[0] = vload_f16((const uint16_t *)base + at);
+        out[1] = vload_f16((const uint16_t *)base + at + TK_VL);
+    } else {
+        out[0] = vload((const float *)base + at);
+        out[1] = vload((const float *)base + at + TK_VL);
+    }
+}
+
+/* TK_VL int8 / uint8 values -> int32 lanes. */
+static inline vi widen_i8(const int8_t *p) {
 #if defined(__AVX512F__)
-    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    w = hi ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15));
-    return (vf)_mm512_cvtepi32_ps(w);
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 #else
-    __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    w = hi ? _mm256_srli_epi32(w, 4) : _mm256_and_si256(w, _mm256_set1_epi32(15));
-    return (vf)_mm256_cvtepi32_ps(w);
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#endif
+}
+static inline vi widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 #endif
 }
 
-/* Weight rows per fused tile: independent accumulator chains, so the multiply-adds are
- * not bound by one chain's latency (2 x FR x rows accumulators in registers). */
-#if defined(__AVX512F__)
-#define FR 4
-#else
-#define FR 2
-#endif
-
-/* The j-th of the group's vectors of weights (two per group of 32 in either width's
- * pairing: low and high halves on AVX512, halves of each on AVX2). */
-static inline vf group_vector(int kind, const void *row, int g, int group, int j, vf sc, vf m0) {
-    if (kind == TK_Q8) return widen_i8((const int8_t *)row + g * group + j) * sc + m0;
-    /* 4-bit: j < 16 are the low nibbles of bytes j.., j >= 16 the high nibbles of bytes j-16.. */
-    const uint8_t *b = (const uint8_t *)row + g * 16;
-    return (j < 16 ? widen_nibbles(b + j, 0) : widen_nibbles(b + j - 16, 1)) * sc + m0;
+/* One k of int8 weights: NR bytes -> w[2]. */
+static inline void q8_k(const int8_t *b, const vf s[2], const vf m[2], vf w[2]) {
+    w[0] = __builtin_convertvector(widen_i8(b), vf) * s[0] + m[0];
+    w[1] = __builtin_convertvector(widen_i8(b + TK_VL), vf) * s[1] + m[1];
 }
 
-static inline __attribute__((always_inline)) void fused_tile(const int mt, const int nr, const float *x, long ldx,
-                                                             int kind, const void *qs, const float *scale,
-                                                             const float *min, int group, int K, int n0,
-                                                             float *sums) {
-    const int ng = K / group;
-    const size_t row_bytes = kind == TK_Q8 ? (size_t)K : (size_t)K / 2;
-    vf acc[FUSED_MAX_ROWS][FR][2];
-    for (int i = 0; i < mt; i++)
-        for (int r = 0; r < nr; r++) acc[i][r][0] = acc[i][r][1] = vzero();
-    for (int g = 0; g < ng; g++) {
-        const int k0 = g * group;
-        /* Two vectors at a time into the two accumulator halves: constant indices keep
-         * every accumulator in a register. */
-        for (int j = 0; j < group; j += 2 * TK_VL) {
-            const int two = j + TK_VL < group;
-            for (int r = 0; r < nr; r++) {
-                const size_t at = (size_t)(n0 + r) * ng + g;
-                const char *row = (const char *)qs + (size_t)(n0 + r) * row_bytes;
-                const vf sc = vbcast(scale[at]), m0 = vbcast(min ? min[at] : 0.0f);
-                const vf w0 = group_vector(kind, row, g, group, j, sc, m0);
-                for (int i = 0; i < mt; i++) acc[i][r][0] += vload(x + (size_t)i * ldx + k0 + j) * w0;
-                if (two) {
-                    const vf w1 = group_vector(kind, row, g, group, j + TK_VL, sc, m0);
-                    for (int i = 0; i < mt; i++) acc[i][r][1] += vload(x + (size_t)i * ldx + k0 + j + TK_VL) * w1;
-                }
+/* Two k (even, odd) of 4-bit weights: NR bytes -> w0[2] (k), w1[2] (k + 1). */
+static inline void q4_pair(const uint8_t *b, const vf s[2], const vf m[2], vf w0[2], vf w1[2]) {
+    for (int h = 0; h < 2; h++) {
+        const vi u = widen_u8(b + h * TK_VL);
+        w0[h] = __builtin_convertvector(u & 15, vf) * s[h] + m[h];
+        w1[h] = __builtin_convertvector(u >> 4, vf) * s[h] + m[h];
+    }
+}
+
+/* -- few rows: dequantized in registers ----------------------------------------------- */
+
+/* cs [mr][NR] = X[0..mr) @ panel p, each k's weights dequantized and used at once. Even and
+ * odd k add into separate accumulators (summed at the end), so that a row's chains are not
+ * bound by the multiply-add latency; on AVX2 (16 registers) only up to 2 rows. */
+static inline __attribute__((always_inline)) void fused_panel(const int mr, const qargs *a, const float *x, int p,
+                                                              float *cs) {
+    const int par = mr <= (TK_VL == 16 ? 4 : 2); /* odd k in their own accumulators */
+    vf acc[FUSED_ACC_ROWS][2][2];
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) acc[r][h][0] = acc[r][h][1] = vzero();
+    const size_t sb = (size_t)p * a->ng * NR;
+    const uint8_t *q = a->qs + (size_t)p * a->panel_qbytes;
+    for (int g = 0; g < a->ng; g++) {
+        vf s[2], m[2];
+        group_vectors(a->scale, a->sdtype, sb + (size_t)g * NR, s);
+        group_vectors(a->min, a->sdtype, sb + (size_t)g * NR, m);
+        const int kend = (g + 1) * a->group;
+        for (int k = g * a->group; k < kend; k += 2) {
+            vf w0[2], w1[2];
+            if (a->kind == TK_Q4) {
+                __builtin_prefetch(q + (size_t)(k / 2) * NR + PF_BYTES, 0, 3);
+                q4_pair(q + (size_t)(k / 2) * NR, s, m, w0, w1);
+            } else {
+                __builtin_prefetch(q + (size_t)k * NR + PF_BYTES, 0, 3);
+                __builtin_prefetch(q + (size_t)k * NR + PF_BYTES + NR, 0, 3);
+                q8_k((const int8_t *)q + (size_t)k * NR, s, m, w0);
+                q8_k((const int8_t *)q + (size_t)(k + 1) * NR, s, m, w1);
+            }
+            for (int r = 0; r < mr; r++) {
+                const vf x0 = vbcast(x[(size_t)r * a->ldx + k]), x1 = vbcast(x[(size_t)r * a->ldx + k + 1]);
+                acc[r][0][0] += x0 * w0[0];
+                acc[r][1][0] += x0 * w0[1];
+                acc[r][0][par] += x1 * w1[0];
+                acc[r][1][par] += x1 * w1[1];
             }
         }
     }
-    for (int i = 0; i < mt; i++)
-        for (int r = 0; r < nr; r++) sums[i * FR + r] = hsum(acc[i][r][0] + acc[i][r][1]);
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) vstore(cs + r * NR + h * TK_VL, par ? acc[r][h][0] + acc[r][h][1] : acc[r][h][0]);
 }
 
-/* Y[m0..m0+mt)[n0..n0+nt) from the dequantized rows w [nt][K]. */
-static inline __attribute__((always_inline)) void tile(const int mt, const int nt, const float *x, long ldx,
-                                                       const float *w, int K, float *sums) {
-    vf acc[MT][NT];
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nt; j++) acc[i][j] = vzero();
-    for (int k = 0; k < K; k += TK_VL) {
-        vf wv[NT];
-        for (int j = 0; j < nt; j++) wv[j] = vload(w + (size_t)j * K + k);
-        for (int i = 0; i < mt; i++) {
-            const vf xv = vload(x + (size_t)i * ldx + k);
-            for (int j = 0; j < nt; j++) acc[i][j] += xv * wv[j];
+static void fused_rows(const qargs *a, const float *x, int rows, int p, float *cs) {
+    switch (rows) { /* a literal row count per case: the accumulators stay in registers */
+#if FUSED_MAX_ROWS >= 8
+    case 8: fused_panel(8, a, x, p, cs); break;
+#endif
+#if FUSED_MAX_ROWS >= 7
+    case 7: fused_panel(7, a, x, p, cs); break;
+#endif
+#if FUSED_MAX_ROWS >= 6
+    case 6: fused_panel(6, a, x, p, cs); break;
+#endif
+#if FUSED_MAX_ROWS >= 5
+    case 5: fused_panel(5, a, x, p, cs); break;
+#endif
+#if FUSED_MAX_ROWS >= 4
+    case 4: fused_panel(4, a, x, p, cs); break;
+#endif
+#if FUSED_MAX_ROWS >= 3
+    case 3: fused_panel(3, a, x, p, cs); break;
+#endif
+    case 2: fused_panel(2, a, x, p, cs); break;
+    default: fused_panel(1, a, x, p, cs); break;
+    }
+}
+
+/* -- wide batches: dequantized into the panel layout, gemm.c's micro-tile ------------- */
+
+/* buf [kc][NR] = the dequantized K slice k0 .. k0 + kc of panel p (k0, kc even). */
+static void dequant_slice(const qargs *a, int p, int k0, int kc, float *buf) {
+    const size_t sb = (size_t)p * a->ng * NR;
+    const uint8_t *q = a->qs + (size_t)p * a->panel_qbytes;
+    for (int k = k0; k < k0 + kc;) {
+        const int g = k / a->group, kend = (g + 1) * a->group < k0 + kc ? (g + 1) * a->group : k0 + kc;
+        vf s[2], m[2];
+        group_vectors(a->scale, a->sdtype, sb + (size_t)g * NR, s);
+        group_vectors(a->min, a->sdtype, sb + (size_t)g * NR, m);
+        if (a->kind == TK_Q4) {
+            for (; k < kend; k += 2) {
+                vf w0[2], w1[2];
+                __builtin_prefetch(q + (size_t)(k / 2) * NR + PF_BYTES, 0, 3);
+                q4_pair(q + (size_t)(k / 2) * NR, s, m, w0, w1);
+                float *out = buf + (size_t)(k - k0) * NR;
+                vstore(out, w0[0]), vstore(out + TK_VL, w0[1]);
+                vstore(out + NR, w1[0]), vstore(out + NR + TK_VL, w1[1]);
+            }
+        } else {
+            for (; k < kend; k++) {
+                vf w[2];
+                __builtin_prefetch(q + (size_t)k * NR + PF_BYTES, 0, 3);
+                q8_k((const int8_t *)q + (size_t)k * NR, s, m, w);
+                vstore(buf + (size_t)(k - k0) * NR, w[0]), vstore(buf + (size_t)(k - k0) * NR + TK_VL, w[1]);
+            }
         }
     }
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nt; j++) sums[i * NT + j] = hsum(acc[i][j]);
 }
 
-int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const float *scale, const float *min, int group,
-             void *y, long ldy, int ydtype, int M, int N, int K, int nthreads) {
-    if (K % 32 || (kind != TK_Q8 && kind != TK_Q4) || (group != 16 && group != 32) || (kind == TK_Q4 && group != 32))
+/* cs [rows][NR] = X[m0..m0+rows) @ panel p, a K slice at a time through buf [KC][NR]. */
+static void block_times_qpanel(const qargs *a, int m0, int rows, int p, float *buf, float *cs) {
+    for (int k0 = 0; k0 < a->K; k0 += KC) {
+        const int kc = a->K - k0 < KC ? a->K - k0 : KC;
+        dequant_slice(a, p, k0, kc, buf);
+        rows_times_l1_slice(a->x + (size_t)m0 * a->ldx + k0, a->ldx, rows, buf, kc, cs, k0 == 0);
+    }
+}
+
+/* -- the result ----------------------------------------------------------------------- */
+
+/* Rows m0 .. m0+rows of output tile q (columns q*NR ..) from its sums cs (and, for the gate/up
+ * epilogue, the up projection's in up), bias added, rounded once to Y's dtype. */
+static void store_tile(const qargs *a, int m0, int rows, int q, float *cs, const float *up) {
+    const int col0 = q * NR, ncols = a->N - col0 < NR ? a->N - col0 : NR, bf = a->ydtype == TK_BF16;
+    for (int r = 0; r < rows; r++) {
+        float *cr = cs + (size_t)r * NR;
+        if (a->epilogue == EPI_SILU_MUL) {
+            const float *bg = a->bias ? a->bias + (size_t)(2 * q) * NR : NULL;
+            silu_mul_row(cr, up + (size_t)r * NR, bg, bg ? bg + NR : NULL, bf);
+        } else if (a->bias) {
+            for (int j = 0; j < NR; j += TK_VL) vstore(cr + j, vload(cr + j) + vload(a->bias + (size_t)q * NR + j));
+        }
+        const size_t at = (size_t)(m0 + r) * a->ldy + col0;
+        if (ncols == NR) {
+            vstore_any(a->y, at, vload(cr), a->ydtype);
+            vstore_any(a->y, at + TK_VL, vload(cr + TK_VL), a->ydtype);
+        } else {
+            for (int j = 0; j < ncols; j++) store_any(a->y, at + j, cr[j], a->ydtype);
+        }
+    }
+}
+
+/* Returns 0, 1 on a bad argument, 2 if scratch memory could not be allocated. */
+int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *scale, const void *min, int sdtype,
+             int group, const float *bias, void *y, long ldy, int ydtype, int M, int N, int K, int epilogue,
+             int nthreads) {
+    if (M < 0 || N <= 0 || K <= 0 || K % 32 || (kind != TK_Q8 && kind != TK_Q4) || group < 16 || group % 16 ||
+        K % group || (sdtype != TK_F32 && sdtype != TK_F16) || (epilogue != EPI_NONE && epilogue != EPI_SILU_MUL) ||
+        ldx > 0x7fffffff)
         return 1;
-    const int num_tiles = (N + NT - 1) / NT;
+    if (M == 0) return 0;
+    const int silu = epilogue == EPI_SILU_MUL, num_tiles = (N + NR - 1) / NR;
+    qargs a = {
+        .x = x,
+        .ldx = (int)ldx,
+        .kind = kind,
+        .qs = (const uint8_t *)qs,
+        .panel_qbytes = (size_t)K * NR / (kind == TK_Q4 ? 2 : 1),
+        .scale = scale,
+        .min = min,
+        .sdtype = sdtype,
+        .group = group,
+        .ng = K / group,
+        .bias = bias,
+        .y = y,
+        .ldy = ldy,
+        .ydtype = ydtype,
+        .M = M,
+        .N = N,
+        .K = K,
+        .epilogue = epilogue,
+    };
+    const double flops = 2.0 * M * N * K * (silu ? 2 : 1);
     int failed = 0;
     if (M <= FUSED_MAX_ROWS) {
-        const int fr = M <= 2 ? FR : M <= 4 ? FR / 2 : 1; /* weight rows per tile: 2 x fr x M accumulators */
-        const int num_fused = (N + fr - 1) / fr;
-#pragma omp parallel for schedule(dynamic, 8) num_threads(nthreads)
-        for (int t = 0; t < num_fused; t++) {
-            const int n0 = t * fr, nr = N - n0 < fr ? N - n0 : fr;
-            float sums[FUSED_MAX_ROWS * FR];
-            if (nr == fr && M == 1)
-                fused_tile(1, FR, x, ldx, kind, qs, scale, min, group, K, n0, sums);
-            else if (nr == fr && M == 2)
-                fused_tile(2, FR, x, ldx, kind, qs, scale, min, group, K, n0, sums);
-            else if (nr == fr && M == 3)
-                fused_tile(3, FR / 2, x, ldx, kind, qs, scale, min, group, K, n0, sums);
-            else if (nr == fr && M == 4)
-                fused_tile(4, FR / 2, x, ldx, kind, qs, scale, min, group, K, n0, sums);
-#if FUSED_MAX_ROWS > 4
-            else if (M == 5)
-                fused_tile(5, 1, x, ldx, kind, qs, scale, min, group, K, n0, sums);
-#endif
-            else
-                fused_tile(M, nr, x, ldx, kind, qs, scale, min, group, K, n0, sums);
-            for (int i = 0; i < M; i++)
-                for (int r = 0; r < nr; r++) store_any(y, (size_t)i * ldy + n0 + r, sums[i * FR + r], ydtype);
+        const int threads = flops < 2e5 ? 1 : nthreads;
+#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
+        for (int q = 0; q < num_tiles; q++) {
+            float cs[2][FUSED_MAX_ROWS * NR];
+            fused_rows(&a, x, M, silu ? 2 * q : q, cs[0]);
+            if (silu) fused_rows(&a, x, M, 2 * q + 1, cs[1]);
+            store_tile(&a, 0, M, q, cs[0], cs[1]);
         }
         return 0;
     }
-#pragma omp parallel num_threads(nthreads)
+    /* Row blocks as gemm.c sizes them: a block's X stays within ~384 KiB of L2. */
+    int mc = (384 * 1024 / (4 * K)) / MR * MR;
+    if (mc < MR) mc = MR;
+    const int num_row_blocks = (M + mc - 1) / mc, num_items = num_row_blocks * num_tiles;
+    int threads = flops < 2e5 ? 1 : nthreads;
+    if (threads > num_items) threads = num_items;
+    int next = 0;
+#pragma omp parallel num_threads(threads)
     {
-        float *w = aligned_alloc(64, (size_t)NT * K * sizeof(float));
-        if (!w) {
+        float *buf = aligned_alloc(64, sizeof(float) * KC * NR);
+        float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
+        if (buf == NULL || cs == NULL) {
 #pragma omp atomic write
             failed = 2;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < num_tiles; t++) {
-            if (!w) continue;
-            const int n0 = t * NT, nt = N - n0 < NT ? N - n0 : NT;
-            for (int j = 0; j < nt; j++) dequant_row(kind, qs, scale, min, group, K, n0 + j, w + (size_t)j * K);
-            float sums[MT * NT];
-            for (int m = 0; m < M; m += MT) {
-                const int mt = M - m < MT ? M - m : MT;
-                const float *xm = x + (size_t)m * ldx;
-                if (mt == MT && nt == NT)
-                    tile(MT, NT, xm, ldx, w, K, sums); /* the common case, with literal bounds */
-                else
-                    tile(mt, nt, xm, ldx, w, K, sums);
-                for (int i = 0; i < mt; i++)
-                    for (int j = 0; j < nt; j++) store_any(y, (size_t)(m + i) * ldy + n0 + j, sums[i * NT + j], ydtype);
-            }
+        for (;;) {
+            int item;
+#pragma omp atomic capture
+            item = next++;
+            if (item >= num_items || buf == NULL || cs == NULL) break;
+            const int mb = item / num_tiles, q = item % num_tiles;
+            const int m0 = mb * mc, rows = M - m0 < mc ? M - m0 : mc;
+            block_times_qpanel(&a, m0, rows, silu ? 2 * q : q, buf, cs);
+            if (silu) block_times_qpanel(&a, m0, rows, 2 * q + 1, buf, cs + (size_t)rows * NR);
+            store_tile(&a, m0, rows, q, cs, cs + (size_t)rows * NR);
         }
-        free(w);
+        free(buf);
+        free(cs);
     }
     return failed;
 }

@@ -1,20 +1,25 @@
-"""Quantized linear weights as the native kernels keep them (quant.c), and the reference
-arithmetic they are tested against.
+"""Quantized linear weights as every source maps them (GGUF blocks, Hugging Face GPTQ / AWQ /
+compressed-tensors checkpoints, quantization at load), and the reference arithmetic the
+kernels are tested against. The kernel's own panel order is ``quant_pack.py``'s.
 
     QuantizedWeight(bits, qs, scale, min, group)      w[n, k] = q[n, k] * scale[n, g] + min[n, g]
                                                       g = k // group
-    bits 8: qs int8 [N, K]; group 16 or 32; min optional
-    bits 4: qs uint8 [N, K/2]; group 32; in group g, byte j holds q[g*32 + j] (low nibble)
-            and q[g*32 + 16 + j] (high nibble), GGUF's order, so its Q4 blocks copy as they are
+    bits 8: qs int8 [N, K]
+    bits 4: qs uint8 [N, K/2]; in each block of 32 along K, byte j holds q[32b + j] (low
+            nibble) and q[32b + 16 + j] (high nibble), GGUF's order, so its Q4 blocks copy as
+            they are
+    group: any multiple of 16 that divides K (K a multiple of 32); min optional
 
 Every GGUF type the engine keeps quantized maps onto one of these exactly (the scales are
-float32, so a K-quant's d * sub-scale is kept without rounding); quantizing a float
+float32 here, so a K-quant's d * sub-scale is kept without rounding); quantizing a float
 checkpoint at load uses the same layouts: ``quantize_int8`` (symmetric, per group of 32,
-like Q8_0) and ``quantize_int4`` (scale and min per group of 32, like Q4_1).
+like Q8_0) and ``quantize_int4`` (scale and min per group of 32, like Q4_1), both with
+scales rounded to float16 as GGUF stores them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +36,9 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         n, cols = self.qs.shape
         k = cols * (2 if self.bits == 4 else 1)
-        if self.bits not in (4, 8) or self.group not in (16, 32) or (self.bits == 4 and self.group != 32):
+        if self.bits not in (4, 8) or self.group <= 0 or self.group % 16:
             raise ValueError(f"unsupported quantized layout: {self.bits} bits in groups of {self.group}")
-        if k % 32 or tuple(self.scale.shape) != (n, k // self.group):
+        if k % 32 or k % self.group or tuple(self.scale.shape) != (n, k // self.group):
             raise ValueError(f"scales of shape {tuple(self.scale.shape)} do not fit weights of shape [{n}, {k}]")
         if self.min is not None and self.min.shape != self.scale.shape:
             raise ValueError("mins and scales differ in shape")
@@ -53,13 +58,15 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.min) if t is not None)
 
-    def values(self) -> torch.Tensor:
-        """q as float32 [N, K] (the nibbles unpacked)."""
-        if self.bits == 8:
-            return self.qs.float()
+    def nibbles(self) -> torch.Tensor:
+        """A 4-bit weight's q as uint8 [N, K]."""
         n = self.qs.shape[0]
         blocks = self.qs.view(n, -1, 16)
-        return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(n, -1).float()
+        return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(n, -1)
+
+    def values(self) -> torch.Tensor:
+        """q as float32 [N, K] (the nibbles unpacked)."""
+        return self.qs.float() if self.bits == 8 else self.nibbles().float()
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the kernels compute with."""
@@ -78,23 +85,34 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def _as_float16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to float16 values (kept float32), as GGUF stores scales, where every
+    value is zero or a normal float16 number; else unchanged (no scale loses precision)."""
+    a = t.abs()
+    if bool(((a == 0) | ((a >= 2.0**-14) & (a <= 65504.0))).all()):
+        return t.to(torch.float16).float()
+    return t
+
+
 def quantize_int8(weight: torch.Tensor, group: int = 32) -> QuantizedWeight:
-    """Symmetric int8 per group along K: scale = max|w| / 127 (Q8_0's rule)."""
+    """Symmetric int8 per group along K: scale = max|w| / 127 (Q8_0's rule), rounded to float16."""
     w = weight.detach().float()
     n, k = w.shape
     g = w.view(n, k // group, group)
-    scale = g.abs().amax(dim=2) / 127.0
+    scale = _as_float16(g.abs().amax(dim=2) / 127.0)
     q = torch.where(scale.unsqueeze(2) > 0, g / scale.clamp_min(1e-30).unsqueeze(2), 0.0).round().clamp(-127, 127)
     return QuantizedWeight(8, q.to(torch.int8).reshape(n, k).contiguous(), scale.contiguous(), None, group)
 
 
 def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
-    """Asymmetric 4-bit per group of 32: min = the group's minimum, scale = range / 15 (Q4_1's rule)."""
+    """Asymmetric 4-bit per group of 32: min = the group's minimum, scale = range / 15 (Q4_1's
+    rule), both rounded to float16."""
     w = weight.detach().float()
     n, k = w.shape
     g = w.view(n, k // 32, 32)
     lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scale = (hi - lo) / 15.0
+    both = _as_float16(torch.stack([lo, (hi - lo) / 15.0]))
+    lo, scale = both[0], both[1]
     q = torch.where(scale.unsqueeze(2) > 0, (g - lo.unsqueeze(2)) / scale.clamp_min(1e-30).unsqueeze(2), 0.0)
     q = q.round().clamp(0, 15).reshape(n, k)
     return QuantizedWeight(4, pack_nibbles(q), scale.contiguous(), lo.contiguous(), 32)
@@ -111,35 +129,36 @@ def take_rows(w: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
     )
 
 
-def as_int8(w: QuantizedWeight, group: int) -> QuantizedWeight:
-    """The same weight in the int8 layout with groups of ``group`` (16 or 32, no larger than
-    its own), without changing a value: 4-bit values fit int8, a group's scale repeats."""
-    if w.bits == 8 and w.group == group:
-        return w
-    if group > w.group or w.group % group:
-        raise ValueError(f"groups of {w.group} cannot become groups of {group}")
+def relayout(w: QuantizedWeight, bits: int, group: int, with_min: bool) -> QuantizedWeight:
+    """The same weight with ``bits`` (no fewer than its own), groups of ``group`` (dividing its
+    own) and a min if ``with_min``, without changing a value: 4-bit values fit int8, a
+    group's scale and min repeat, a missing min is 0."""
+    if bits < w.bits or w.group % group:
+        raise ValueError(f"{w.bits}-bit groups of {w.group} cannot become {bits}-bit groups of {group}")
     repeat = w.group // group
-    q = w.values().to(torch.int8) if w.bits == 4 else w.qs
+    qs = w.values().to(torch.int8).contiguous() if bits == 8 and w.bits == 4 else w.qs
+    minimum = w.min if w.min is not None or not with_min else torch.zeros_like(w.scale)
     return QuantizedWeight(
-        8,
-        q.contiguous(),
+        bits,
+        qs,
         w.scale.repeat_interleave(repeat, dim=1).contiguous(),
-        None if w.min is None else w.min.repeat_interleave(repeat, dim=1).contiguous(),
+        None if minimum is None else minimum.repeat_interleave(repeat, dim=1).contiguous(),
         group,
     )
 
 
+def as_int8(w: QuantizedWeight, group: int) -> QuantizedWeight:
+    """The same weight in the int8 layout with groups of ``group``."""
+    return w if w.bits == 8 and w.group == group else relayout(w, 8, group, w.min is not None)
+
+
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights stacked along N (a fused q/k/v or gate/up projection). Parts of different
-    layouts meet in the widest one (int8, the smallest group), which changes no value."""
-    if len({(p.bits, p.group, p.min is None) for p in parts}) > 1:
-        group = min(p.group for p in parts)
-        parts = [as_int8(p, group) for p in parts]
-    if len({p.min is None for p in parts}) > 1:
-        parts = [
-            p if p.min is not None else QuantizedWeight(p.bits, p.qs, p.scale, torch.zeros_like(p.scale), p.group)
-            for p in parts
-        ]
+    layouts meet in the widest one (int8 if any part is, groups dividing every part's, a min if any
+    part has one), which changes no value."""
+    bits, group = max(p.bits for p in parts), math.gcd(*(p.group for p in parts))
+    with_min = any(p.min is not None for p in parts)
+    parts = [relayout(p, bits, group, with_min) for p in parts]
     first = parts[0]
     return QuantizedWeight(
         first.bits,

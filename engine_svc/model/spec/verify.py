@@ -16,7 +16,10 @@ rejection sampling for a one-hot draft (Leviathan et al.): draft d is accepted w
 probability p(d), and on rejection the token is drawn from p with d excluded, which is
 norm(max(p - onehot(d), 0)). Every emitted token is therefore distributed (and, for a
 greedy or seeded row, chosen) exactly as without drafts; the token after the last
-accepted draft is the normal sampler's. Logprobs come from each row's raw logits, as
+accepted draft is the normal sampler's. A draft model's draft at an unseeded sampled row
+comes with q, the distribution it was drawn from (a ``Proposal``): the sampler keeps it
+with probability min(1, p/q) and otherwise draws from norm(max(p - q, 0)), a token that
+is never the draft, so "accept while equal" reads the outcome the same way. Logprobs come from each row's raw logits, as
 without drafts. A constrained request's drafts are cut where its grammar forbids one, and
 its draft rows are masked by its matcher advanced through the drafts before them
 (``model/structured/masks.py``), which then rolls back.
@@ -27,20 +30,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine_svc.model.sampler import SamplerOutput
+from engine_svc.model.sampler import Proposal, SamplerOutput
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest
 from engine_svc.types import Logprob, RequestView, SamplingParams
 
 
 class PositionView:
     """``request`` as the sampler sees it at a draft row: ``draft_token_ids`` appended
-    to its output tokens. Read-only, like every ``RequestView``."""
+    to its output tokens. Read-only, like every ``RequestView``; the joined token lists
+    are built on first use only (most rows never read them) and kept."""
 
-    __slots__ = ("_request", "_drafts")
+    __slots__ = ("_request", "_drafts", "_output", "_all")
 
     def __init__(self, request: RequestView, draft_token_ids: Sequence[int]) -> None:
         self._request = request
-        self._drafts = list(draft_token_ids)
+        self._drafts = draft_token_ids
+        self._output: list[int] | None = None
+        self._all: list[int] | None = None
 
     @property
     def draft_base(self) -> RequestView:
@@ -62,11 +68,15 @@ class PositionView:
 
     @property
     def output_token_ids(self) -> Sequence[int]:
-        return list(self._request.output_token_ids) + self._drafts
+        if self._output is None:
+            self._output = [*self._request.output_token_ids, *self._drafts]
+        return self._output
 
     @property
     def all_token_ids(self) -> Sequence[int]:
-        return list(self._request.all_token_ids) + self._drafts
+        if self._all is None:
+            self._all = [*self._request.all_token_ids, *self._drafts]
+        return self._all
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -109,7 +119,8 @@ class PositionView:
 class _Group:
     request: RequestView
     first: int  # index of its first row in VerifyRows.rows
-    draft_token_ids: list[int]
+    draft_token_ids: list[int]  # the ones verified: an output constraint may have cut some
+    num_scheduled_drafts: int
 
 
 @dataclass
@@ -120,6 +131,7 @@ class VerifyRows:
     rows: list[int]
     views: list[RequestView]
     groups: list[_Group]
+    proposals: list[Proposal | None] | None = None  # one per row where a draft model drew drafts
 
     @classmethod
     def of(
@@ -128,29 +140,35 @@ class VerifyRows:
         sample_rows: list[int],
         sample_requests: list[RequestView],
         num_valid_drafts: Callable[[RequestView, list[int]], int],
+        proposals: dict[str, list[Proposal]] | None = None,
     ) -> VerifyRows:
         """``sample_rows``/``sample_requests`` from ``logits_rows`` (one row per request
         that samples: its last real row; its drafts' rows follow it in the batch).
 
         A constrained request's drafts are cut at the first one its grammar forbids
         (``num_valid_drafts``): the rows after it are computed but never sampled, and
-        count as rejected.
+        count as rejected. ``proposals``: a draft model's drafts with their q, by request.
         """
         drafts = {s.request.request_id: s.draft_token_ids for s in batch if s.draft_token_ids}
         rows: list[int] = []
         views: list[RequestView] = []
         groups: list[_Group] = []
+        row_proposals: list[Proposal | None] = []
         for row, request in zip(sample_rows, sample_requests):
-            draft_token_ids = drafts.get(request.request_id, [])
+            scheduled = drafts.get(request.request_id, [])
+            draft_token_ids = scheduled
             if draft_token_ids and request.grammar is not None:
                 draft_token_ids = draft_token_ids[: num_valid_drafts(request, draft_token_ids)]
-            groups.append(_Group(request, len(rows), draft_token_ids))
+            groups.append(_Group(request, len(rows), draft_token_ids, len(scheduled)))
             rows.append(row)
             views.append(request)
             for j in range(1, len(draft_token_ids) + 1):
                 rows.append(row + j)
                 views.append(PositionView(request, draft_token_ids[:j]))
-        return cls(rows, views, groups)
+            # Row j (0 .. k-1) judges draft j; the row after the last draft has none.
+            drawn = (proposals or {}).get(request.request_id, [])[: len(draft_token_ids)]
+            row_proposals += [*drawn, *[None] * (1 + len(draft_token_ids) - len(drawn))]
+        return cls(rows, views, groups, row_proposals if proposals else None)
 
     def accept(self, sampled: SamplerOutput, output: ModelRunnerOutput) -> None:
         """Fill ``output`` from the sampled rows: one token per request without drafts,
@@ -160,6 +178,8 @@ class VerifyRows:
             token_ids = sampled.token_ids[g.first : g.first + 1 + len(g.draft_token_ids)]
             logprobs = sampled.logprobs[g.first : g.first + 1 + len(g.draft_token_ids)]
             output.sampled_token_ids[request_id] = token_ids[0]
+            if g.num_scheduled_drafts:
+                output.spec_num_drafts[request_id] = len(g.draft_token_ids)
             if not g.draft_token_ids:
                 if logprobs[0] is not None:
                     output.logprobs[request_id] = logprobs[0]

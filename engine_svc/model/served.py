@@ -1,0 +1,79 @@
+"""A checkpoint loaded for serving: weights read (a GGUF file's quantized blocks, a GPTQ /
+AWQ / compressed-tensors checkpoint's integers kept as they are), layers on the backend
+``backend.py`` chooses. The runner's model and a speculative draft model are both loaded
+here.
+
+    model, args, backend = load_served_model(model_dir, build, kernels="auto", ...)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine_svc.model.args import ModelArgs
+from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
+from engine_svc.model.gguf_checkpoint import gguf_source
+from engine_svc.model.gguf_metadata import close_gguf
+from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quantized_linears
+from engine_svc.model.hf_quantized import quantization_scheme
+from engine_svc.model.llama import Transformer
+from engine_svc.model.loader import load_model, quantized_linears, read_config
+from engine_svc.model.native.quant import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+
+def load_served_model(
+    model_dir: str,
+    build: KernelBuild,
+    *,
+    kernels: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_size_hint: int,
+    quantization: str | None,
+) -> tuple[Transformer, ModelArgs, ModelBackend]:
+    """Weights on the device, their layers on the backend ``backend.py`` chooses.
+    ``build`` is the native kernels' build, started before the weights load so that
+    the two overlap; ``quantization`` is ``--quantization``."""
+    prequantized, source = _prequantized(model_dir, build, quantization)
+    model, args = load_model(model_dir, device, dtype, kept_modules=prequantized or ())
+    gguf_path = gguf_source(model_dir)
+    embeddings = read_quantized_embeddings(gguf_path, args) if prequantized and gguf_path else None
+    backend = install_backend(
+        model,
+        build.result(),
+        wanted=kernels,
+        device=device,
+        dtype=dtype,
+        batch_size_hint=batch_size_hint,
+        quantization=quantization if quantization in ("int8", "int4") else None,
+        prequantized=prequantized,
+        prequantized_source=source,
+        quantized_embeddings=embeddings,
+    )
+    close_gguf()  # every weight is copied out of the file by now
+    return model, args, backend
+
+
+def _prequantized(
+    model_dir: str, build: KernelBuild, quantization: str | None
+) -> tuple[dict[str, QuantizedWeight] | None, str]:
+    """A quantized checkpoint's layers as they are, and what kind it is: a GGUF file's
+    blocks, or a GPTQ / AWQ / compressed-tensors directory's integers (``--quantization
+    auto``, the default, where the native kernels run; read first, so those layers are
+    never dequantized); else None, and its weights are dequantized at load. A format the
+    engine cannot serve is refused here, by name."""
+    gguf_path = gguf_source(model_dir)
+    scheme = quantization_scheme(read_config(model_dir)) if gguf_path is None else None
+    if (gguf_path is None and scheme is None) or quantization not in (None, "auto"):
+        return None, ""
+    source = "gguf" if scheme is None else scheme.method
+    if build.result() is None:  # waits for the kernels: the quantized GEMM is theirs
+        logger.info("%s weights dequantized to the serving dtype: the quantized GEMM needs native kernels", source)
+        return None, ""
+    if gguf_path is not None:
+        return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir))), source
+    return quantized_linears(model_dir), source

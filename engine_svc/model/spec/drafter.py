@@ -1,0 +1,244 @@
+"""The draft model of ``{"method": "draft_model"}``: a smaller model with the target's
+vocabulary that fills the scheduler's ``MODEL_DRAFT`` slots in the step itself.
+
+    runner.execute():
+        drafts = drafter.propose(batch, sampler)  k passes of the draft model -> draft tokens
+        the target's forward and verification     (verify.py: greedy and seeded rows keep a
+                                                    draft equal to their own token, sampled
+                                                    rows judge it against q, the draft's
+                                                    distribution, by rejection sampling)
+        drafter.commit(drafts, output)            its cache is valid up to the accepted tokens
+
+Its KV cache is its own tensors, addressed by the target's block tables: position p of a
+request lives in the same block and slot in both caches, so the scheduler's reservation
+of 1 + k slots covers the draft's writes too, and blocks are freed, preempted and shared
+for both at once. Per request the drafter remembers up to which position its cache is
+valid (``num_computed``); a request the rule gave no drafts for a while falls behind and
+catches up in its next first pass, and a preempted or new request (its state forgotten)
+starts from position 0, so a prefix-cache hit never trusts draft entries this request
+did not write (equal tokens give equal entries, so rewriting a shared block is harmless).
+
+    request at n tokens (t = its last, at n - 1), k drafts, cache valid below c:
+
+    pass 0      tokens c .. n-1 (t last)  -> q0 -> d0
+    pass j      d(j-1) at n + j - 1       -> qj -> dj          (j = 1 .. k-1)
+    commit      a drafts accepted: valid below min(n + k - 1, n + a)
+
+A draft at a greedy or seeded row is the draft model's argmax; at an unseeded sampled row
+it is drawn from q (the request's temperature, top-k, top-p and min-p on the draft's
+logits), and q goes to verification with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
+from engine_svc.model.backend import KernelBuild
+from engine_svc.model.gguf_checkpoint import resolve_model_dir
+from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block
+from engine_svc.model.sampler import Proposal, Sampler
+from engine_svc.model.sampler_stages import is_greedy
+from engine_svc.model.served import load_served_model
+from engine_svc.model.spec.vocab import check_same_vocabulary
+from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, ScheduledRequest
+from engine_svc.types import RequestView
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Drafts:
+    """What ``propose`` made of a step: the batch with its draft slots filled."""
+
+    batch: list[ScheduledRequest]
+    # Unseeded sampled requests' drafts with the distributions they were drawn from.
+    proposals: dict[str, list[Proposal]] = field(default_factory=dict)
+    passes: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds) per pass
+    seconds: float = 0.0
+    drafted: list[ScheduledRequest] = field(default_factory=list)  # the filled entries
+
+
+class DraftModel:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        target_dir: str,
+        target_vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernels: str,
+        batch_size_hint: int,
+        quantization: str,
+    ) -> None:
+        model_dir, self.name = resolve_model_dir(model_path)
+        build = KernelBuild.start(kernels, device, dtype)
+        self.model, self.args, backend = load_served_model(
+            str(model_dir),
+            build,
+            kernels=kernels,
+            device=device,
+            dtype=dtype,
+            batch_size_hint=batch_size_hint,
+            quantization=quantization,
+        )
+        check_same_vocabulary(target_dir, model_dir, target_vocab_size, self.args.vocab_size)
+        if self.args.max_position_embeddings < max_model_len:
+            raise ValueError(
+                f"the draft model's context ({self.args.max_position_embeddings} tokens) is shorter than the "
+                f"target's max_model_len ({max_model_len}); set --max-model-len to at most that"
+            )
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.kernels, self.native_prefill = backend.kernels, backend.native_prefill
+        self.target_vocab_size = target_vocab_size
+        self.vocab_size = min(target_vocab_size, self.args.vocab_size)  # ids both know
+        self.bytes_per_block = bytes_per_block(
+            num_layers=self.args.num_layers,
+            block_size=block_size,
+            num_kv_heads=self.args.num_kv_heads,
+            head_dim=self.args.head_dim,
+            dtype=dtype,
+        )
+        self.kv_caches: list[KVCache] = []
+        shape = (workspace_tokens(max_model_len, block_size), self.args.num_kv_heads, self.args.head_dim)
+        self.workspace = (
+            torch.empty(shape, dtype=dtype, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
+        )
+        self._num_computed: dict[str, int] = {}  # request id -> positions its cache holds
+        logger.info("draft model %s: %s", self.name, backend.describe())
+
+    def allocate(self, num_blocks: int) -> None:
+        """Its KV cache: as many blocks as the target's, which it shares the ids of."""
+        self.kv_caches = allocate_kv_cache(
+            num_layers=self.args.num_layers,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=self.args.num_kv_heads,
+            head_dim=self.args.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def forget(self, request_ids: set[str] | list[str]) -> None:
+        for request_id in request_ids:
+            self._num_computed.pop(request_id, None)
+
+    # -- the step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, batch: list[ScheduledRequest], sampler: Sampler) -> Drafts | None:
+        """Fill every ``MODEL_DRAFT`` slot of ``batch``; None when it has none."""
+        drafting = [s for s in batch if s.draft_token_ids and s.draft_token_ids[0] == MODEL_DRAFT]
+        if not drafting:
+            return None
+        start = time.perf_counter()
+        drafts = Drafts(batch)
+        tokens: dict[str, list[int]] = {s.request.request_id: [] for s in drafting}
+        # Pass 0: each request from where its cache ends to its last token; decodes lead.
+        first = sorted(drafting, key=lambda s: s.request.num_tokens - self._catch_up_start(s.request) > 1)
+        starts = [self._catch_up_start(s.request) for s in first]
+        token_ids = [list(s.request.all_token_ids[c : s.request.num_tokens]) for s, c in zip(first, starts)]
+        current = first
+        for j in range(max(len(s.draft_token_ids) for s in drafting)):
+            if j > 0:
+                current = [s for s in current if len(s.draft_token_ids) > j]
+                starts = [s.request.num_tokens + j - 1 for s in current]
+                token_ids = [[tokens[s.request.request_id][-1]] for s in current]
+            t0 = time.perf_counter()
+            logits = self._forward(token_ids, starts, [s.block_ids for s in current])  # [len(current), vocab]
+            for s, token_id, proposal in zip(current, *self._choose(logits, current, sampler)):
+                tokens[s.request.request_id].append(token_id)
+                if proposal is not None:
+                    drafts.proposals.setdefault(s.request.request_id, []).append(proposal)
+            drafts.passes.append((sum(len(t) for t in token_ids), time.perf_counter() - t0))
+        filled = {id(s): dataclasses.replace(s, draft_token_ids=tokens[s.request.request_id]) for s in drafting}
+        drafts.batch = [filled.get(id(s), s) for s in batch]
+        drafts.drafted = list(filled.values())
+        drafts.seconds = time.perf_counter() - start
+        return drafts
+
+    def commit(self, drafts: Drafts, output: ModelRunnerOutput) -> None:
+        """Its cache is valid up to the tokens verification kept: the accepted drafts'
+        entries were written by its passes, the rejected ones' are overwritten later."""
+        for s in drafts.drafted:
+            request_id, n = s.request.request_id, s.request.num_tokens
+            num_accepted = len(output.spec_token_ids.get(request_id, [0])) - 1
+            self._num_computed[request_id] = min(n + len(s.draft_token_ids) - 1, n + num_accepted)
+
+    def _catch_up_start(self, request: RequestView) -> int:
+        return min(self._num_computed.get(request.request_id, 0), request.num_tokens - 1)
+
+    def _forward(self, token_ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Rows ``token_ids[i]`` at positions ``starts[i]..`` on block table ``tables[i]``
+        (single-row requests first) -> the draft's logits at each request's last row,
+        [num_requests, vocab] float32, on the ids both models know."""
+        query_lens = [len(t) for t in token_ids]
+        positions = flat_positions(query_lens, starts)
+        meta = AttentionMetadata.build(
+            query_lens,
+            starts,
+            tables,
+            positions=positions,
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            workspace=self.workspace,
+            kernels=self.kernels,
+            native_prefill=self.native_prefill,
+            sliding_window=self.args.sliding_window,
+        )
+        input_ids = torch.tensor([t for row in token_ids for t in row], dtype=torch.long).to(self.device)
+        hidden = self.model(input_ids, positions.to(self.device), self.kv_caches, meta)  # [num_tokens, hidden]
+        last = torch.tensor(query_lens).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden.index_select(0, last.to(self.device)))
+        return logits[:, : self.vocab_size].float()
+
+    def _choose(
+        self, logits: torch.Tensor, scheduled: list[ScheduledRequest], sampler: Sampler
+    ) -> tuple[list[int], list[Proposal | None]]:
+        """A draft token per row of ``logits`` [n, vocab]: the argmax at greedy and seeded
+        rows, a draw from q elsewhere (with q, widened to the target's vocabulary)."""
+        token_ids = logits.argmax(dim=-1).tolist()
+        proposals: list[Proposal | None] = [None] * len(scheduled)
+        drawn = [
+            i
+            for i, s in enumerate(scheduled)
+            if not is_greedy(s.request.sampling_params) and s.request.sampling_params.seed is None
+        ]
+        if drawn:
+            q = sampler.probabilities(logits[drawn], [scheduled[i].request for i in drawn])  # [d, vocab]
+            if self.vocab_size < self.target_vocab_size:
+                q = torch.nn.functional.pad(q, (0, self.target_vocab_size - self.vocab_size))
+            for i, token_id, probs in zip(drawn, sampler.draw(q).tolist(), q):
+                token_ids[i] = token_id
+                proposals[i] = Proposal(token_id, probs)
+        return token_ids, proposals
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def time_passes(self, sizes: list[int], context: int, budget_s: float) -> list[tuple[int, float]]:
+        """(rows, seconds) of single-row passes of each of ``sizes`` rows, the faster of two
+        rounds, within ``budget_s``; every row attends to ``context`` tokens in the first
+        blocks (call before serving)."""
+        table = list(range(-(-(context + 1) // self.block_size)))
+        best: dict[int, float] = {}
+        start = time.perf_counter()
+        for round_ in range(2):
+            for n in sizes:
+                if time.perf_counter() - start > budget_s * (round_ + 1) / 2:
+                    break
+                t0 = time.perf_counter()
+                self._forward([[0]] * n, [context] * n, [table] * n).argmax(dim=-1).tolist()
+                seconds = time.perf_counter() - t0
+                best[n] = min(seconds, best.get(n, seconds))
+        return sorted(best.items())

@@ -1,0 +1,21 @@
+"""Speculative decoding, the scheduler's side (no torch): the config, prompt lookup, the
+adaptive rule and the costs it weighs, the totals. The model's side (verification, the
+draft model) is ``engine_svc/model/spec/``; docs/speculative.md says what works with what."""
+
+from engine_svc.sched.spec.config import SpeculativeConfig
+from engine_svc.sched.spec.costs import StepCosts
+from engine_svc.sched.spec.ngram import NgramIndex, propose_ngram
+from engine_svc.sched.spec.plan import Offer, plan_drafts
+from engine_svc.sched.spec.speculator import Speculator
+from engine_svc.sched.spec.stats import SpecStats
+
+__all__ = [
+    "NgramIndex",
+    "Offer",
+    "SpecStats",
+    "SpeculativeConfig",
+    "Speculator",
+    "StepCosts",
+    "plan_drafts",
+    "propose_ngram",
+]
