@@ -39,7 +39,11 @@ class ModelShape:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelShape:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        """A Hugging Face directory's config.json, or a GGUF file's (through the directory
+        the engine prepares for it)."""
+        from engine_svc.model.gguf_checkpoint import resolve_model_dir
+
+        config = json.loads((resolve_model_dir(model_dir)[0] / "config.json").read_text())
         num_heads = config["num_attention_heads"]
         return cls(
             num_layers=config["num_hidden_layers"],

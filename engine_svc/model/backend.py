@@ -36,6 +36,7 @@ from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.native_layers import install_native_layers, install_native_linears
 from engine_svc.model.packed_linear import pack_linears, packing_supported
+from engine_svc.model.quantized_embeddings import install_quantized_embeddings
 from engine_svc.model.quantized_layers import install_prequantized_linears, install_quantized_linears
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class ModelBackend:
     kernels: NativeKernels | None
     matmuls: Matmuls
     native_prefill: bool  # prefill attention on the kernels too (decode is, whenever kernels is set)
+    # Every matmul on the native kernels (the quantized GEMM among them): none splits a sum
+    # across threads, so the thread count changes no result.
+    own_kernels: bool = False
 
     def describe(self) -> str:
         kernels = f"native {self.kernels.isa} build" if self.kernels else "plain PyTorch"
@@ -115,6 +119,7 @@ def install_backend(
     quantization: str | None = None,
     prequantized: dict[str, QuantizedWeight] | None = None,
     prequantized_source: str = "gguf",
+    quantized_embeddings: dict[str, QuantizedWeight] | None = None,
 ) -> ModelBackend:
     """Swap the model's layers for the chosen backend's, in place; the one place that
     packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
@@ -122,7 +127,8 @@ def install_backend(
     layers' weights quantized on the native quantized GEMM, the LM head on the backend's;
     ``prequantized`` are quantized weights read as they are, for the layers they name, from
     ``prequantized_source`` (a GGUF file's blocks; a GPTQ, AWQ or compressed-tensors
-    checkpoint's integers)."""
+    checkpoint's integers); ``quantized_embeddings`` a GGUF file's embedding and LM head
+    blocks (quantized_embeddings.py), beside the float head that wide steps keep."""
     if quantization is not None and kernels is None:
         raise ValueError(
             f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
@@ -142,6 +148,8 @@ def install_backend(
         num_packed = install_native_linears(model, kernels, dtype)
     elif matmuls == "onednn":
         num_packed = pack_linears(model, batch_size_hint)
+    if quantized_embeddings and kernels is not None:
+        install_quantized_embeddings(model, kernels, quantized_embeddings, dtype)
     backend = ModelBackend(
         kernels=kernels,
         matmuls=_QUANTIZED.get(
@@ -149,6 +157,7 @@ def install_backend(
             _PREQUANTIZED[prequantized_source] if prequantized else matmuls if num_packed else "torch",
         ),
         native_prefill=kernels is not None and kernels.supports_prefill_attention(model.args.head_dim),
+        own_kernels=kernels is not None and matmuls == "native",
     )
     if device.type == "cpu":
         logger.info("%s", backend.describe())

@@ -83,6 +83,13 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     return _open(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
+def close_gguf() -> None:
+    """Forget the reader ``open_gguf`` keeps, once a model is loaded: its memory map would
+    keep the whole file resident (and its parsed metadata in the heap) for the engine's
+    life, beside the weights copied out of it."""
+    _open.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def _open(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
     try:

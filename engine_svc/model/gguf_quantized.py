@@ -8,8 +8,9 @@ dequantize-requantize round trip, so the engine computes with exactly the weight
 llama.cpp would. Q/K rows permuted by llama.cpp's converter are put back in order by
 moving whole rows (each row's groups are its own), and a fused projection's parts (q, k,
 v; gate, up) are stacked, widened to a common layout where their types differ. Layers in
-float types (F32, F16, BF16) are left to the float path, as are the embeddings and the
-LM head.
+float types (F32, F16, BF16) are left to the float path. The embeddings and the LM head
+are read apart (``read_quantized_embeddings``): they are not linear layers of the stack,
+and quantized_embeddings.py serves them.
 """
 
 from __future__ import annotations
@@ -59,6 +60,26 @@ def read_quantized_linears(gguf_path: str | Path, args: ModelArgs) -> dict[str, 
         if all(p is not None for p in ordered):
             out[module] = concat_rows([p for p in ordered if p is not None])
     logger.info("GGUF %s: %d linear layers kept quantized, %.1f MiB", path.name, len(out), _mib(out))
+    return out
+
+
+def read_quantized_embeddings(gguf_path: str | Path, args: ModelArgs) -> dict[str, QuantizedWeight]:
+    """The embedding's and the LM head's blocks as they are, for those of a type the
+    quantized kernels take (quantized_embeddings.py serves them): ``embed_tokens`` from
+    ``token_embd.weight``, ``lm_head`` from ``output.weight`` or, where the file has none
+    (a tied head), the same object as ``embed_tokens``."""
+    tensors = {t.name: t for t in open_gguf(gguf_path).tensors}
+    want = (args.vocab_size, args.hidden_size)
+    out: dict[str, QuantizedWeight] = {}
+    for module, name in (("embed_tokens", "token_embd.weight"), ("lm_head", "output.weight")):
+        tensor = tensors.get(name)
+        if tensor is None or tensor.tensor_type.name not in SUPPORTED_TYPES:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if shape == want:
+            out[module] = from_gguf_blocks(tensor.tensor_type.name, tensor.data, want)
+    if "output.weight" not in tensors and args.tie_word_embeddings and "embed_tokens" in out:
+        out["lm_head"] = out["embed_tokens"]
     return out
 
 

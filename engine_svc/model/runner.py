@@ -81,6 +81,7 @@ class ModelRunner:
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
         self.native_prefill = backend.native_prefill
+        self.own_kernels = backend.own_kernels
         self.lora = self._lora_slots(lora_slots, max_lora_rank)
         self.threads = self._thread_governor()
         self.step_work = StepWork.of_model(self.model_args)
@@ -151,8 +152,9 @@ class ModelRunner:
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """Thread count per step, by measurement (threads.py); only where tokens do not
-        depend on it: the native kernels, float or quantized, never split a sum across threads."""
-        return ThreadGovernor(torch.get_num_threads()) if self.matmuls not in ("onednn", "torch") else None
+        depend on it: the native kernels, the quantized GEMM among them, never split a sum
+        across threads."""
+        return ThreadGovernor(torch.get_num_threads()) if self.own_kernels else None
 
     def _resolve_max_model_len(self, max_model_len: int | None) -> int:
         """``--max-model-len``, capped at the model's ``max_position_embeddings``."""

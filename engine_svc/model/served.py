@@ -15,7 +15,8 @@ import torch
 from engine_svc.model.args import ModelArgs
 from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
 from engine_svc.model.gguf_checkpoint import gguf_source
-from engine_svc.model.gguf_quantized import read_quantized_linears
+from engine_svc.model.gguf_metadata import close_gguf
+from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quantized_linears
 from engine_svc.model.hf_quantized import quantization_scheme
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import load_model, quantized_linears, read_config
@@ -39,6 +40,8 @@ def load_served_model(
     the two overlap; ``quantization`` is ``--quantization``."""
     prequantized, source = _prequantized(model_dir, build, quantization)
     model, args = load_model(model_dir, device, dtype, kept_modules=prequantized or ())
+    gguf_path = gguf_source(model_dir)
+    embeddings = read_quantized_embeddings(gguf_path, args) if prequantized and gguf_path else None
     backend = install_backend(
         model,
         build.result(),
@@ -49,7 +52,9 @@ def load_served_model(
         quantization=quantization if quantization in ("int8", "int4") else None,
         prequantized=prequantized,
         prequantized_source=source,
+        quantized_embeddings=embeddings,
     )
+    close_gguf()  # every weight is copied out of the file by now
     return model, args, backend
 
 

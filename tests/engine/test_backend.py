@@ -97,6 +97,7 @@ def test_every_linear_layer_runs_where_the_choice_says(monkeypatch, model_dir, k
     assert any(isinstance(m, NativeRMSNorm) for m in model.modules()) and isinstance(model.rotary, NativeRotary)
     assert chosen.native_prefill == kernels.supports_prefill_attention(args.head_dim)
     assert chosen.describe().startswith(f"kernels: native {kernels.isa} build; matmuls: {chosen.matmuls}")
+    assert chosen.own_kernels == (chosen.matmuls == "native")  # oneDNN may split a sum across threads
 
 
 def test_no_kernel_build_where_none_is_wanted():

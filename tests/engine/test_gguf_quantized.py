@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -18,10 +19,11 @@ from torch import nn
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.model.gguf_metadata import hf_config, open_gguf
-from engine_svc.model.gguf_quantized import read_quantized_linears
+from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quantized_linears
 from engine_svc.model.gguf_weights import read_gguf_tensors
 from engine_svc.model.llama import ModelArgs
 from engine_svc.model.loader import build_model
+from engine_svc.model.quantized_embeddings import QuantizedEmbedding, SplitHead
 from engine_svc.model.quantized_layers import QuantizedLinear
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import _assert_same_or_near_tie, _prompts
@@ -31,10 +33,12 @@ from tests.model_factory import load_hf_model, make_model_dir
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
 # Mixed types, as llama.cpp's K-quant mixes write them: q/k and v differ, so the fused
-# q/k/v projection meets in a common layout.
+# q/k/v projection meets in a common layout. The embedding and the LM head in Q8_0, as
+# llama.cpp's quantizer writes them for small models.
 TYPES = {
     "q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1",
     "gate_proj": "Q5_0", "up_proj": "Q5_1", "down_proj": "Q8_0",
+    "embed_tokens": "Q8_0", "lm_head": "Q8_0",
 }  # fmt: skip
 
 
@@ -57,7 +61,7 @@ def checkpoint(tmp_path_factory):
     held = {}
     for name, tensor in load_file(hf_dir / "model.safetensors").items():
         array = tensor.float().numpy()
-        part = next((p for p in TYPES if f".{p}." in name), None)
+        part = next((p for p in TYPES if f".{p}." in f".{name}"), None)
         if part is None:
             writer.add_tensor(_gguf_name(name), array)
             held[name] = tensor.float()
@@ -86,16 +90,30 @@ def test_quantized_blocks_hold_the_weights_the_float_path_reads(checkpoint):
     assert weights["layers.0.attn.qkv_proj"].bits == 8  # Q4_0 beside Q8_0: widened, unchanged
 
 
+def test_the_embedding_and_head_blocks_are_the_float_paths_weights(checkpoint):
+    path, _, held = checkpoint
+    args = ModelArgs.from_hf_config(hf_config(open_gguf(path), path))
+    weights = read_quantized_embeddings(path, args)
+    assert weights["embed_tokens"] is not weights["lm_head"]  # untied: two tensors in the file
+    assert torch.equal(weights["embed_tokens"].dequantize(), held["model.embed_tokens.weight"])
+    assert torch.equal(weights["lm_head"].dequantize(), held["lm_head.weight"])
+
+
 def test_the_engine_serves_the_blocks_and_matches_transformers_on_them(checkpoint):
     path, hf_dir, held = checkpoint
     hf = load_hf_model(hf_dir)
     with torch.no_grad():
         for name, module in hf.named_modules():
-            if isinstance(module, nn.Linear) and f"{name}.weight" in held:
+            if isinstance(module, (nn.Linear, nn.Embedding)) and f"{name}.weight" in held:
                 module.weight.copy_(held[f"{name}.weight"])
     core = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64))
     assert core.runner.matmuls == "gguf"
+    # Loaded, the engine holds no map of the file: its weights were copied out of it.
+    assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
     assert sum(isinstance(m, QuantizedLinear) for m in core.runner.model.modules()) == 8
+    model = core.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, SplitHead)
+    assert core.runner.threads is not None  # no kernel splits a sum: threads are chosen by timing steps
     prompts = _prompts(5)[::3]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for prompt, result in zip(prompts, core.generate(prompts, params)):
