@@ -307,6 +307,19 @@ def test_capacity_http_compares_the_two_faces(tmp_path):
     assert report["ratios"]["1"]["top_rate_http_over_grpc_default"] > 0
 
 
+def test_http_vs_grpc_runs_both_faces_on_a_model(demo_model_dir, tmp_path):
+    """benchmarks.http_vs_grpc: both faces stream every token asked for, in alternating order."""
+    from benchmarks import http_vs_grpc
+
+    out = tmp_path / "faces.json"
+    argv = ["--model", str(demo_model_dir), "--concurrency", "2", "--requests", "2", "--max-tokens", "5"]
+    assert http_vs_grpc.main([*argv, "--repetitions", "2", "--json", str(out)]) == 0
+    cell = json.loads(out.read_text())["cells"]["2"]
+    # (the ITL figures may be nan: a stream coalesced into one message has no gap)
+    assert cell["ratio_tok_per_s"] > 0 and cell["grpc"]["output_tok_per_s"] > 0 and cell["http"]["output_tok_per_s"] > 0
+    assert len(cell["runs"]["grpc"]) == len(cell["runs"]["http"]) == 2
+
+
 def test_spec_figures(demo_model_dir, tmp_path):
     """benchmarks.spec on the demo model: both arms measured at every point, with acceptance."""
     from benchmarks import spec
