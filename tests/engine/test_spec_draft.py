@@ -172,6 +172,12 @@ def tokenized(tmp_path_factory, demo_model_dir):
     for path in (target, draft):
         for name in TOKENIZER_FILES:
             shutil.copy(demo_model_dir / name, path / name)
+        # The tokenizer's BOS / EOS, not the factory's ids 1 / 2 (plain characters here: a
+        # sampled "#" would end a JSON string as if it were EOS).
+        for name in ("config.json", "generation_config.json"):
+            config, demo = (json.loads((d / name).read_text()) for d in (path, demo_model_dir))
+            config.update({k: demo[k] for k in ("bos_token_id", "eos_token_id")})
+            (path / name).write_text(json.dumps(config))
     return target, draft
 
 
