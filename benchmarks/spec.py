@@ -162,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         f"model: {cores['off'].model_name} ({cores['off'].runner.matmuls}); spec: {args.speculative_config}", flush=True
     )
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores; load average {load_average()}", flush=True)
-    costs = cores["on"].scheduler.speculator.step_costs.table()
-    print("calibrated step ms by rows: " + " ".join(f"{n}:{1000 * t:.1f}" for n, t in costs.items()), flush=True)
+    speculator = cores["on"].scheduler.speculator
+    for what, costs in (("step", speculator.step_costs), ("draft pass", speculator.draft_costs)):
+        if costs:  # empty without the adaptive rule; the draft's only with a draft model
+            table = " ".join(f"{n}:{1000 * t:.1f}" for n, t in costs.table().items())
+            print(f"calibrated {what} ms by rows: {table}", flush=True)
     results = []
     for name in args.workloads:
         workload = load(HERE / f"{name}.jsonl")
@@ -192,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if args.json is not None:
-        args.json.write_text(json.dumps({"model": cores["off"].model_name, "results": results}, indent=2))
+        learned = {  # the adaptive rule's cost estimates after the runs, ms by rows
+            what: {n: round(1000 * t, 2) for n, t in costs.table().items()}
+            for what, costs in (("step_ms", speculator.step_costs), ("draft_pass_ms", speculator.draft_costs))
+        }
+        out = {"model": cores["off"].model_name, "spec": args.speculative_config, "costs": learned, "results": results}
+        args.json.write_text(json.dumps(out, indent=2))
     return 0
 
 

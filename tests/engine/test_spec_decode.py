@@ -20,8 +20,10 @@ from tokenizers import Tokenizer
 from engine_svc.config import EngineConfig
 from engine_svc.core import Completion, EngineCore
 from engine_svc.demo_model import VOCAB_SIZE as DEMO_VOCAB
+from engine_svc.lora_registry import LoraConfig
 from engine_svc.sched.spec import SpecStats, SpeculativeConfig
 from engine_svc.types import FinishReason, SamplingParams
+from tests.lora_factory import make_adapter
 from tests.model_factory import make_model_dir
 from tests.structured_cases import CONSTRAINTS, VALID
 
@@ -35,12 +37,12 @@ def loop_model_dir(tmp_path_factory):
 
 
 def run(
-    model_dir, prompts, params, spec: SpeculativeConfig | None, *, repeat: int = 1, **config
+    model_dir, prompts, params, spec: SpeculativeConfig | None, *, repeat: int = 1, lora_names=None, **config
 ) -> tuple[list[Completion], SpecStats | None, EngineCore]:
     settings = {"num_kv_blocks": 512, "block_size": 16, "dtype": "float32", "max_num_seqs": 64, **config}
     core = EngineCore(EngineConfig(model=str(model_dir), speculative_config=spec, **settings))
     for _ in range(repeat):  # later rounds hit the prefix cache
-        completions = core.generate(prompts, params)
+        completions = core.generate(prompts, params, lora_names)
     speculator = core.scheduler.speculator
     return completions, None if speculator is None else speculator.stats, core
 
@@ -214,3 +216,27 @@ def test_penalties_identical_with_speculation(loop_model_dir):
     on, stats, _ = run(loop_model_dir, prompts, params, SPEC)
     assert stats is not None and 0 < stats.num_accepted_tokens, stats
     assert tokens(on) == tokens(off)
+
+
+def test_lora_adapters_identical_with_speculation(loop_model_dir, tmp_path):
+    """Draft rows are computed under their request's adapter: a batch mixing the base
+    model and two adapters, each prompt under all three, gives the same greedy outputs
+    with drafts on and off. The adapters' B is drawn small (b_scale 0.3), so that their
+    outputs still loop and prompt lookup's drafts for them are accepted too; they still
+    change every output."""
+    adapters = {
+        name: str(make_adapter(loop_model_dir, tmp_path / name, r=r, alpha=2 * r, seed=seed, b_scale=0.3))
+        for name, r, seed in (("a", 4, 1), ("b", 8, 2))
+    }
+    lora = dict(enable_lora=True, lora=LoraConfig(modules=tuple(adapters.items())))
+    names = [None, "a", "b"] * 4
+    prompts = [p for p in prompts_of(8, 4, 5, 30) for _ in range(3)]
+    off, _, _ = run(loop_model_dir, prompts, GREEDY, None, lora_names=names, **lora)
+    on, stats, _ = run(loop_model_dir, prompts, GREEDY, SPEC, lora_names=names, **lora)
+    assert tokens(on) == tokens(off)
+    assert stats is not None and stats.acceptance_rate > 0.3, stats
+    base, a, b = tokens(on)[0::3], tokens(on)[1::3], tokens(on)[2::3]
+    assert all(x != y and x != z for x, y, z in zip(base, a, b))  # each adapter changes each output
+    # Drafts were accepted under the adapters, not only for the base model's requests.
+    _, adapter_stats, _ = run(loop_model_dir, prompts[1::3], GREEDY, SPEC, lora_names=names[1::3], **lora)
+    assert adapter_stats is not None and adapter_stats.acceptance_rate > 0.2, adapter_stats
