@@ -19,6 +19,7 @@ allocate the KV cache (``kv_memory.py``) and the attention workspace; make the s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -248,8 +249,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.threads is not None:
             self.threads.before_step(scheduler_output.num_tokens)
-        # A draft model fills the scheduler's draft slots first (model/spec/drafter.py).
-        drafts = None if self.drafter is None else self.drafter.propose(batch, self.sampler)
+        # A draft model fills the scheduler's draft slots first (model/spec/drafter.py), on
+        # every thread: the governor's choice is for the step's rows, not the passes'.
+        drafts = None
+        if self.drafter is not None:
+            with self.threads.all_threads() if self.threads is not None else contextlib.nullcontext():
+                drafts = self.drafter.propose(batch, self.sampler)
         if drafts is not None:
             batch = drafts.batch
         input_ids, positions, meta = self._prepare_inputs(batch)
@@ -277,8 +282,8 @@ class ModelRunner:
                     targets = job.target_token_ids[i : i + PROMPT_LOGITS_CHUNK]
                     entries += self.sampler.prompt_logprobs(logits, targets, job.num_top)
         seconds = time.perf_counter() - t0
-        if self.threads is not None:
-            self.threads.after_step(seconds, self.step_work.of(batch))
+        if self.threads is not None:  # timed without the draft passes, which ran on every thread
+            self.threads.after_step(seconds - (drafts.seconds if drafts is not None else 0.0), self.step_work.of(batch))
         output.execute_s = seconds
         if drafts is not None and self.drafter is not None:
             self.drafter.commit(drafts, output)

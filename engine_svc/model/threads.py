@@ -22,7 +22,9 @@ split a sum across threads), so the choice changes speed, never tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +82,20 @@ class ThreadGovernor:
             torch.set_num_threads(n)
             self._current = n
         self._step = (size, n, trying)
+
+    @contextlib.contextmanager
+    def all_threads(self) -> Iterator[None]:
+        """Every thread for work the step's choice was not made for (a draft model's passes:
+        its size is not the step's), then the step's count again."""
+        n = self.choices[0]
+        if n == self._current:
+            yield
+            return
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self._current)
 
     def after_step(self, seconds: float, work: float) -> None:
         if self._step is None or work <= 0:

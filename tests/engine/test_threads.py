@@ -54,3 +54,14 @@ def test_one_core_has_nothing_to_choose(set_threads):
     governor = ThreadGovernor(1)
     assert set(_run(governor, {1: 1.0}, 50)) == {1}
     assert governor.summary()
+
+
+def test_all_threads_runs_on_every_thread_then_restores_the_step_choice(set_threads):
+    governor = ThreadGovernor(2)
+    _run(governor, {1: 1.0, 2: 3.0}, 200)  # a busy machine: steps on one thread
+    governor.before_step(1)
+    assert governor.threads == 1
+    set_threads.clear()
+    with governor.all_threads():
+        assert set_threads == [2]
+    assert set_threads == [2, 1] and governor.threads == 1
