@@ -226,6 +226,29 @@ def test_gemm_matches_linear(kernels, dtype, rows, k, n, bias, silu_mul):
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,k,n,silu_mul",
+    [(37, 576, 960, False), (8, 64, 200, True), (200, 300, 40, False), (400, 1537, 72, True)],
+    # one row block split by panels; several row blocks (K of 1537: blocks of 60 rows or
+    # fewer) with fewer panels than threads, split by whole items
+)
+def test_gemm_bits_do_not_depend_on_the_thread_count(kernels, dtype, rows, k, n, silu_mul):
+    """Each output tile is one thread's, whichever takes it (its own run or another's)."""
+    g = torch.Generator().manual_seed(rows + k)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    packed, before = kernels.pack(w, None, dtype, silu_mul=silu_mul), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = kernels.gemm(x, packed)
+        for num_threads in (2, 3, 5):  # more threads than cores: runs are taken over
+            torch.set_num_threads(num_threads)
+            assert torch.equal(kernels.gemm(x, packed).view(torch.int16), want.view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gemm_reads_strided_rows(kernels):
     x = torch.randn(9, 100)[:, 10:74]  # row stride 100
     w = torch.randn(24, 64)
