@@ -16,8 +16,10 @@
  * Decode (tk_decode_attention): one query token per row, a row's context is ctx_lens[row]
  * tokens. A row walks its blocks and reads each front to back (a block holds every KV head
  * of block_size tokens contiguously), scores for the whole context go to a per-thread
- * buffer, then an exact softmax, then the weighted sum of V. Memory-bound: every cached
- * key and value of the step is read once.
+ * buffer, then an exact softmax, then the weighted sum of V, the query heads of a KV
+ * group together (each value vector loaded once for them). Rows are split across threads,
+ * one at a time; a row's sums are all one thread's. Every cached key and value of the
+ * step is read once.
  *
  * Prefill (tk_prefill_attention): chunks of consecutive query tokens, chunk c at rows
  * chunk_rows[c] .. + chunk_lens[c] and positions chunk_starts[c] ..; the chunk's own K/V
