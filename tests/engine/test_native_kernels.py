@@ -226,6 +226,29 @@ def test_gemm_matches_linear(kernels, dtype, rows, k, n, bias, silu_mul):
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,k,n,silu_mul",
+    [(37, 576, 960, False), (8, 64, 200, True), (200, 300, 40, False), (400, 1537, 72, True)],
+    # one row block split by panels; several row blocks (K of 1537: blocks of 60 rows or
+    # fewer) with fewer panels than threads, split by whole items
+)
+def test_gemm_bits_do_not_depend_on_the_thread_count(kernels, dtype, rows, k, n, silu_mul):
+    """Each output tile is one thread's, whichever takes it (its own run or another's)."""
+    g = torch.Generator().manual_seed(rows + k)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    packed, before = kernels.pack(w, None, dtype, silu_mul=silu_mul), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = kernels.gemm(x, packed)
+        for num_threads in (2, 3, 5):  # more threads than cores: runs are taken over
+            torch.set_num_threads(num_threads)
+            assert torch.equal(kernels.gemm(x, packed).view(torch.int16), want.view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gemm_reads_strided_rows(kernels):
     x = torch.randn(9, 100)[:, 10:74]  # row stride 100
     w = torch.randn(24, 64)
@@ -345,7 +368,9 @@ def _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, g):
     return k, v
 
 
-ATTENTION_SHAPES = [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 16, 8), (6, 2, 32, 1), (4, 2, 12, 16)]
+ATTENTION_SHAPES = [(9, 3, 64, 16), (8, 8, 128, 16), (4, 1, 16, 8), (6, 2, 32, 1), (4, 2, 12, 16), (10, 2, 96, 16)]
+# (10, 2, 96, 16): a group of 5 heads and a head_dim of 6 (AVX512) or 12 (AVX2) vectors, so
+# the weighted sum of V takes heads and vectors in whole passes and in remainders
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -367,6 +392,26 @@ def test_decode_attention_matches_sdpa(kernels, dtype, num_heads, num_kv_heads, 
     kernels.decode_attention(out, q, k_cache, v_cache, table, lens, int(lens.max()), scale)
     want = _reference_decode(q.reshape(rows, num_heads, head_dim), k_cache, v_cache, table, lens, scale)
     _close(out, want, dtype, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_bits_do_not_depend_on_the_thread_count(kernels, dtype):
+    g = torch.Generator().manual_seed(5)
+    rows, num_blocks, block_size = 11, 80, 16
+    k_cache, v_cache = _caches(num_blocks, block_size, 3, 64, dtype, g)
+    lens = torch.randint(1, 7 * block_size, (rows,), generator=g, dtype=torch.int32)
+    table = torch.randint(0, num_blocks, (rows, 7), generator=g, dtype=torch.int32)
+    q = torch.randn(rows, 9 * 64, generator=g).to(dtype)
+    outs, before = [], torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            outs.append(torch.empty(rows, 9, 64, dtype=dtype))
+            kernels.decode_attention(outs[-1], q, k_cache, v_cache, table, lens, int(lens.max()), 0.125)
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16))
 
 
 def _reference_prefill(q, k_cache, v_cache, table, starts, lens, scale):

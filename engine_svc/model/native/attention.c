@@ -16,8 +16,10 @@
  * Decode (tk_decode_attention): one query token per row, a row's context is ctx_lens[row]
  * tokens. A row walks its blocks and reads each front to back (a block holds every KV head
  * of block_size tokens contiguously), scores for the whole context go to a per-thread
- * buffer, then an exact softmax, then the weighted sum of V. Memory-bound: every cached
- * key and value of the step is read once.
+ * buffer, then an exact softmax, then the weighted sum of V, the query heads of a KV
+ * group together (each value vector loaded once for them). Rows are split across threads,
+ * one at a time; a row's sums are all one thread's. Every cached key and value of the
+ * step is read once.
  *
  * Prefill (tk_prefill_attention): chunks of consecutive query tokens, chunk c at rows
  * chunk_rows[c] .. + chunk_lens[c] and positions chunk_starts[c] ..; the chunk's own K/V
@@ -38,10 +40,10 @@
 #define MR 12 /* rows per register tile */
 
 /* Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one:
- * while a block is read, the next one is requested, part `part` of `parts` at a time so
- * that the requests do not pile up. */
-static inline void prefetch_part(const char *p, size_t num_bytes, int part, int parts) {
-    const size_t lines = (num_bytes + 63) / 64, lo = lines * part / parts, hi = lines * (part + 1) / parts;
+ * while a block is read, the next one is requested, `chunk` of its `lines` cache lines
+ * at a time (part `part`), so that the requests do not pile up. */
+static inline void prefetch_part(const char *p, size_t lines, size_t chunk, int part) {
+    const size_t lo = chunk * part, hi = lo + chunk < lines ? lo + chunk : lines;
     for (size_t i = lo; i < hi; i++) __builtin_prefetch(p + 64 * i, 0, 3);
 }
 
@@ -54,15 +56,48 @@ static inline float dot(const float *a, const void *b, size_t boff, int n, int d
     return s;
 }
 
-/* The lane sums of 8 vectors, as one array of 8. */
-static inline void hsum8(const vf acc[8], float *out) {
+#if defined(__AVX512F__)
+/* r[j][i] := r[i][j] for an 8 x 8 block of floats. */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);     /* a0 b0 a1 b1 | a4 b4 a5 b5 */
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); /* a2 b2 a3 b3 | a6 b6 a7 b7 */
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);     /* a0 b0 c0 d0 | a4 b4 c4 d4 */
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE); /* a1 b1 c1 d1 | a5 .. */
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+    }
+}
+#endif
+
+/* The lane sums of 8 vectors, as one array of 8. AVX512: vhsum's sums, lane 0 to 15 in
+ * order, taken for the 8 at once down the columns of their transpose (a lane at a time,
+ * vhsum costs more than the dot products it ends). */
+static inline __attribute__((always_inline)) void hsum8(const vf acc[8], float *out) {
 #if !defined(__AVX512F__)
     const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
     const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 #else
-    for (int i = 0; i < 8; i++) out[i] = vhsum(acc[i]);
+    __m256 lo[8], hi[8];
+    for (int i = 0; i < 8; i++) {
+        lo[i] = _mm512_castps512_ps256((__m512)acc[i]);
+        hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)acc[i]), 1));
+    }
+    transpose8(lo); /* lo[l][i]: lane l of acc[i] */
+    transpose8(hi);
+    __m256 sum = _mm256_setzero_ps(); /* vhsum starts from 0.0f too: -0.0 sums alike */
+    for (int l = 0; l < 8; l++) sum = _mm256_add_ps(sum, lo[l]);
+    for (int l = 0; l < 8; l++) sum = _mm256_add_ps(sum, hi[l]);
+    _mm256_storeu_ps(out, sum);
 #endif
 }
 
@@ -79,25 +114,46 @@ static inline __attribute__((always_inline)) void dots8(const float *q, const vo
     hsum8(acc, scores);
 }
 
-/* o[0..nv vectors) += sum_t p[t] * v_t for n tokens whose values start at v + t * stride;
- * the nv (a literal at each call) output vectors stay in registers over the tokens. */
-static inline __attribute__((always_inline)) void weighted_sum_nv(const int nv, float *o, const float *p,
-                                                                  const void *v, size_t voff, size_t stride, int n,
-                                                                  int dtype) {
-    vf acc[8];
-    for (int j = 0; j < nv; j++) acc[j] = vload(o + j * TK_VL);
+/* Query heads that share a KV head, this many at a time in the weighted sum of V, and
+ * vectors of head dimensions per pass: HC * WS_NV accumulators stay in registers. */
+#if defined(__AVX512F__)
+#define HC 3
+#else
+#define HC 2
+#endif
+#define WS_NV 4
+
+/* o[j][0..nv vectors) += sum_t p[j][t] * v_t for hc heads j (hc, nv literal at each call)
+ * that read the same values, which start at v + t * stride: o and p of head j at
+ * o + j * head_dim and p + j * p_stride. Each value vector is loaded once for the hc heads,
+ * and the hc * nv sums are independent chains of multiply-adds, which keep the FMA units
+ * busy where one head's few chains would wait on their own latency. Each sum adds its
+ * tokens in order, whatever hc is. */
+static inline __attribute__((always_inline)) void weighted_sum_heads_nv(
+    const int hc, const int nv, float *o, int head_dim, const float *p, int p_stride, const void *v, size_t voff,
+    size_t stride, int n, int dtype) {
+    vf acc[HC][WS_NV];
+    for (int j = 0; j < hc; j++)
+        for (int i = 0; i < nv; i++) acc[j][i] = vload(o + (size_t)j * head_dim + i * TK_VL);
     for (int t = 0; t < n; t++) {
-        const vf pt = vbcast(p[t]);
-        for (int j = 0; j < nv; j++) acc[j] += pt * vload_any(v, voff + (size_t)t * stride + j * TK_VL, dtype);
+        vf vt[WS_NV];
+        for (int i = 0; i < nv; i++) vt[i] = vload_any(v, voff + (size_t)t * stride + i * TK_VL, dtype);
+        for (int j = 0; j < hc; j++) {
+            const vf pt = vbcast(p[(size_t)j * p_stride + t]);
+            for (int i = 0; i < nv; i++) acc[j][i] += pt * vt[i];
+        }
     }
-    for (int j = 0; j < nv; j++) vstore(o + j * TK_VL, acc[j]);
+    for (int j = 0; j < hc; j++)
+        for (int i = 0; i < nv; i++) vstore(o + (size_t)j * head_dim + i * TK_VL, acc[j][i]);
 }
 
-static inline __attribute__((always_inline)) void weighted_sum(float *o, const float *p, const void *v, size_t voff,
-                                                               size_t stride, int n, int head_dim, int dtype) {
+static inline __attribute__((always_inline)) void weighted_sum_heads(const int hc, float *o, const float *p,
+                                                                     int p_stride, const void *v, size_t voff,
+                                                                     size_t stride, int n, int head_dim, int dtype) {
     int d = 0;
-    for (; d + 8 * TK_VL <= head_dim; d += 8 * TK_VL) weighted_sum_nv(8, o + d, p, v, voff + d, stride, n, dtype);
-    for (; d < head_dim; d += TK_VL) weighted_sum_nv(1, o + d, p, v, voff + d, stride, n, dtype);
+    for (; d + WS_NV * TK_VL <= head_dim; d += WS_NV * TK_VL)
+        weighted_sum_heads_nv(hc, WS_NV, o + d, head_dim, p, p_stride, v, voff + d, stride, n, dtype);
+    for (; d < head_dim; d += TK_VL) weighted_sum_heads_nv(hc, 1, o + d, head_dim, p, p_stride, v, voff + d, stride, n, dtype);
 }
 
 /* Softmax in place over s[0 .. n). */
@@ -124,20 +180,23 @@ static void softmax(float *s, int n) {
  * scores [heads][len]. Block by block, every head reads the block while it is in L1, and
  * the next block is requested while this one is worked on. */
 static inline __attribute__((always_inline)) void decode_row(float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table,
-                       int len, int num_heads, const int *kv_head_of, int head_dim, int block_size,
+                       int len, int num_heads, int group, int head_dim, int block_size,
                        size_t token_stride, size_t elem, int dtype, float *scores) {
     const size_t block_elems = (size_t)block_size * token_stride;
     const int num_blocks = (len + block_size - 1) / block_size;
     const int vec = head_dim % TK_VL == 0;
+    const int num_kv_heads = num_heads / group;
+    const size_t lines = (block_elems * elem + 63) / 64;
+    const size_t k_chunk = (lines + num_heads - 1) / num_heads, v_chunk = (lines + num_kv_heads - 1) / num_kv_heads;
     for (int b = 0; b < num_blocks; b++) {
         const size_t kb = (size_t)table[b] * block_elems;
         const char *k_next = k_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
         const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
         for (int h = 0; h < num_heads; h++) {
-            prefetch_part(k_next, block_elems * elem, h, num_heads);
+            prefetch_part(k_next, lines, k_chunk, h);
             const float *qh = qf + (size_t)h * head_dim;
             float *sh = scores + (size_t)h * len + t0;
-            const size_t koff = kb + (size_t)kv_head_of[h] * head_dim;
+            const size_t koff = kb + (size_t)(h / group) * head_dim;
             int i = 0;
             if (vec)
                 for (; i + 8 <= n; i += 8) dots8(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
@@ -150,16 +209,27 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
         const size_t vb = (size_t)table[b] * block_elems;
         const char *v_next = v_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
         const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
-        for (int h = 0; h < num_heads; h++) {
-            prefetch_part(v_next, block_elems * elem, h, num_heads);
-            const size_t voff = vb + (size_t)kv_head_of[h] * head_dim;
-            const float *ph = scores + (size_t)h * len + t0;
-            float *oh = of + (size_t)h * head_dim;
-            if (vec) {
-                weighted_sum(oh, ph, v_cache, voff, token_stride, n, head_dim, dtype);
-            } else {
-                for (int i = 0; i < n; i++)
-                    for (int d = 0; d < head_dim; d++) oh[d] += ph[i] * load_any(v_cache, voff + (size_t)i * token_stride + d, dtype);
+        for (int g = 0; g < num_kv_heads; g++) { /* the group of query heads that read KV head g */
+            prefetch_part(v_next, lines, v_chunk, g);
+            const size_t voff = vb + (size_t)g * head_dim;
+            for (int h = g * group; h < (g + 1) * group;) {
+                const float *ph = scores + (size_t)h * len + t0;
+                float *oh = of + (size_t)h * head_dim;
+                const int hc = (g + 1) * group - h < HC ? (g + 1) * group - h : HC;
+                if (vec) {
+                    switch (hc) {
+#if HC > 2
+                    case 3: weighted_sum_heads(3, oh, ph, len, v_cache, voff, token_stride, n, head_dim, dtype); break;
+#endif
+                    case 2: weighted_sum_heads(2, oh, ph, len, v_cache, voff, token_stride, n, head_dim, dtype); break;
+                    default: weighted_sum_heads(1, oh, ph, len, v_cache, voff, token_stride, n, head_dim, dtype); break;
+                    }
+                    h += hc;
+                } else {
+                    for (int i = 0; i < n; i++)
+                        for (int d = 0; d < head_dim; d++) oh[d] += ph[i] * load_any(v_cache, voff + (size_t)i * token_stride + d, dtype);
+                    h++;
+                }
             }
         }
     }
@@ -174,8 +244,6 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
         block_size <= 0)
         return 2;
     const int group = num_heads / num_kv_heads;
-    int kv_head_of[MAX_HEADS];
-    for (int h = 0; h < num_heads; h++) kv_head_of[h] = h / group;
     const size_t token_stride = (size_t)num_kv_heads * head_dim, elem = dtype == TK_BF16 ? 2 : 4;
     const size_t row_elems = (size_t)num_heads * head_dim;
     int failed = 0;
@@ -197,10 +265,10 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
             const int32_t *table = block_table + (size_t)row * table_stride;
             /* one copy of the row loop per dtype, so no load tests the dtype */
             if (len > 0 && dtype == TK_BF16)
-                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, kv_head_of,
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group,
                            head_dim, block_size, token_stride, elem, TK_BF16, scores);
             else if (len > 0)
-                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, kv_head_of,
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group,
                            head_dim, block_size, token_stride, elem, TK_F32, scores);
             else
                 memset(of, 0, sizeof(float) * row_elems);

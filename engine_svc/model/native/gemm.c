@@ -18,21 +18,26 @@
  * bfloat16 products two k steps at a time as dot products, with the same bits
  * (gemm_bf16.h: their bfloat16 panels hold K in pairs).
  *
- * Work items are (row block, panel) pairs taken from one shared counter, so a thread that
- * the OS delays leaves its share to the other threads instead of holding up a barrier.
- * A row block is sized so its A rows stay in the core's L2 cache while the panels stream
- * past; items run row block by row block, so the threads share the block's A.
+ * Work items are (row block, panel) pairs. A row block is sized so its A rows stay in the
+ * core's L2 cache while the panels stream past. Thread t of n owns the panels
+ * [tiles * t / n, tiles * (t + 1) / n) of every row block and takes its items row block by
+ * row block, panels in order (work_split.h): the threads share each block's A, each
+ * streams its own contiguous part of the weights, and a thread that the OS delays has its
+ * remaining items taken over by the others instead of holding up the region's end. With
+ * fewer panels than threads, the runs are contiguous runs of whole items instead.
  *
  * SILU_MUL epilogue (gate/up projection): the weight was packed as pairs (gate panel p,
  * up panel p), and C [M, N/2] = silu(A @ Wg^T) * (A @ Wu^T), with torch's roundings in
  * bfloat16 (gate, up, silu and the product each rounded).
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "gemm_bf16.h"
 #include "gemm_lora.h" /* its types; its code after gemm_tile.h */
 #include "gemm_tile.h" /* MR, NR, KC and the micro-tile, shared with quant.c */
 #include "tandem_kernels.h"
+#include "work_split.h"
 
 enum { EPI_NONE = 0, EPI_SILU_MUL = 1 };
 
@@ -205,7 +210,17 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
     const double flops = 2.0 * M * N * K * (epilogue == EPI_SILU_MUL ? 2 : 1);
     int threads = flops < 2e5 ? 1 : num_threads;
     if (threads > num_items) threads = num_items;
-    int next = 0, failed = 0;
+    /* Run t: its panels [q0, q0 + span) of every row block, index i -> (i / span, q0 + i % span);
+     * or, by_panels 0, the items [lo, hi) in row-block order. */
+    const int by_panels = num_tiles >= threads;
+    tk_run *runs = tk_runs_new(threads);
+    if (runs == NULL) return 1;
+    for (int t = 0; t < threads; t++) {
+        const int lo = (by_panels ? num_tiles : num_items) * t / threads;
+        const int hi = (by_panels ? num_tiles : num_items) * (t + 1) / threads;
+        tk_run_set(&runs[t], by_panels ? num_row_blocks * (hi - lo) : hi - lo);
+    }
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
@@ -236,16 +251,17 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
                 if (adtype != TK_BF16 || buf != NULL) lora_down_rows(lora, a, lda, adtype, K, m, m + MR < M ? m + MR : M, buf);
             free(buf);
         }
-        for (;;) {
-            int item;
-#pragma omp atomic capture
-            item = next++;
-            if (item >= num_items || cs == NULL) break;
-            const int mb = item / num_tiles, q = item % num_tiles;
+        int t, i;
+        while (cs != NULL && tk_runs_next(runs, threads, omp_get_thread_num(), &t, &i)) {
+            const int lo = (by_panels ? num_tiles : num_items) * t / threads;
+            const int span = by_panels ? num_tiles * (t + 1) / threads - lo : 0;
+            const int item = by_panels ? 0 : lo + i;
+            const int mb = by_panels ? i / span : item / num_tiles, q = by_panels ? lo + i % span : item % num_tiles;
             const int m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
             output_tile(&g, m0, m1, q, cs);
         }
         free(cs);
     }
+    free(runs);
     return failed;
 }

@@ -1,0 +1,189 @@
+"""A decode step's native kernels alone, at one and two threads, against another commit's.
+
+    python -m benchmarks.decode_kernels [--baseline REV] [--rows 8 37] [--threads 1 2]
+        [--parts gemm attention] [--dtype float32] [--repeats 7] [--json OUT]
+
+Two parts of a decode step, on SmolLM2-135M's shapes (30 layers; hidden 576, 9 query and
+3 KV heads of 64, intermediate 1536, vocabulary 49,152):
+
+* ``gemm``: one pass over the step's linear layers as the engine fuses them (qkv, o,
+  gate/up with the SiLU epilogue, down; then the LM head), every layer with its own
+  weights, so that they stream from memory as a model's do (538 MB in float32).
+* ``attention``: decode attention of every layer over a paged cache whose blocks are
+  scattered through the pool, as a running engine's are (contexts 100-700 tokens, drawn
+  once; block size 16).
+
+Each is timed on this checkout's kernels and, with ``--baseline``, on the same sources at
+another commit, built with the same flags into a temporary folder; every (build, threads)
+arm is timed in turns (``quant_gemm.timed``: each repeat times every arm once, so a change
+in the machine's load falls on all of them alike), wall clock, median of ``--repeats``.
+Every arm's outputs are compared bit for bit with the first arm's: the kernels never split
+a sum across threads, so neither the thread count nor the work split may change a bit.
+Prints ms per pass and the ratio to the baseline at the same thread count, the CPU, its
+flags and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.quant_gemm import timed
+from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
+from engine_svc.model.native.build import HEADERS, SOURCES, compiler, flags
+
+HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+NATIVE = "engine_svc/model/native"
+
+
+def build_at(rev: str, isa: str, folder: Path) -> NativeKernels:
+    """The kernels' sources at commit ``rev``, built for ``isa`` with the engine's flags."""
+    for name in (*SOURCES, *HEADERS):
+        src = subprocess.run(["git", "show", f"{rev}:{NATIVE}/{name}"], capture_output=True)
+        if src.returncode == 0:  # a header this checkout added is absent there, and not included
+            (folder / name).write_bytes(src.stdout)
+    lib = folder / f"tandem_kernels-{isa}-{rev.replace('/', '_')}.so"
+    cc = compiler() or "cc"
+    subprocess.run([cc, *flags(isa), "-shared", *(str(folder / s) for s in SOURCES), "-o", str(lib), "-lm"],
+                   check=True)  # fmt: skip
+    return NativeKernels(lib, isa)
+
+
+def gemm_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dtype):
+    """Per build: a function making one pass over the step's linear layers."""
+    torch.manual_seed(0)
+    shapes = [("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, False), ("o", HIDDEN, HEADS * HEAD_DIM, False),
+              ("gate_up", 2 * INTER, HIDDEN, True), ("down", HIDDEN, INTER, False)]  # fmt: skip
+    weights = [(k, torch.randn(n, k) * 0.05, silu) for _ in range(LAYERS) for _, n, k, silu in shapes]
+    weights.append((HIDDEN, torch.randn(VOCAB, HIDDEN) * 0.05, False))
+    xs = {k: torch.randn(rows, k).to(dtype) for k in {w[0] for w in weights}}
+    fns = {}
+    for name, kern in kernels.items():
+        # each build packs its own: the layout is the build's to choose
+        packed = [(k, kern.pack(w, None, dtype, silu_mul=silu)) for k, w, silu in weights]
+        fns[name] = lambda kern=kern, packed=packed: [kern.gemm(xs[k], w) for k, w in packed]
+    return fns
+
+
+def attention_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dtype):
+    """Per build: a function running decode attention over every layer's cache."""
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(100, 701, (rows,), generator=gen, dtype=torch.int32)
+    per_row = [(int(c) + BLOCK - 1) // BLOCK for c in ctx]
+    num_blocks = sum(per_row)
+    stride = max(per_row)
+    caches, tables = [], []
+    for _ in range(LAYERS):
+        k = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        v = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        order = torch.randperm(num_blocks, generator=gen).to(torch.int32)  # blocks anywhere in the pool
+        table = torch.zeros(rows, stride, dtype=torch.int32)
+        used = 0
+        for r, n in enumerate(per_row):
+            table[r, :n] = order[used : used + n]
+            used += n
+        caches.append((k, v))
+        tables.append(table)
+    q = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    max_ctx = int(ctx.max())
+    scale = HEAD_DIM**-0.5
+    fns = {}
+    for name, kern in kernels.items():
+        out = torch.empty(LAYERS, rows, HEADS, HEAD_DIM, dtype=dtype)
+
+        def run(kern=kern, out=out):
+            for layer, ((k, v), table) in enumerate(zip(caches, tables)):
+                kern.decode_attention(out[layer], q, k, v, table, ctx, max_ctx, scale)
+            return [out]
+
+        fns[name] = run
+    num_bytes = int(ctx.sum()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * q.element_size()  # K and V read once
+    return fns, num_bytes
+
+
+def threaded(fn, n: int):
+    def run():
+        torch.set_num_threads(n)
+        return fn()
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", default=None, help="a commit whose kernels to time beside this checkout's")
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 37])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--parts", nargs="+", choices=("gemm", "attention"), default=["gemm", "attention"])
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    current = load_kernels()
+    if current is None:
+        raise SystemExit("no native kernels on this machine")
+    dtype = getattr(torch, args.dtype)
+    features = cpu_features()
+    with tempfile.TemporaryDirectory(prefix="tandem-decode-kernels-") as tmp:
+        kernels = {}
+        if args.baseline:
+            kernels["base"] = build_at(args.baseline, current.isa, Path(tmp))
+        kernels["new"] = current
+        cpu_flags = " ".join(f for f, on in features.reported().items() if on)
+        print(f"{features.model_name}; flags {cpu_flags}; build {current.isa}; {args.dtype}; "
+              f"baseline {args.baseline or '-'}", flush=True)  # fmt: skip
+        results = []
+        for part in args.parts:
+            for rows in args.rows:
+                if part == "gemm":
+                    fns, num_bytes = gemm_part(kernels, rows, dtype), None
+                else:
+                    fns, num_bytes = attention_part(kernels, rows, dtype)
+                arms = {f"{b}@{n}": threaded(fn, n) for n in args.threads for b, fn in fns.items()}
+                first = None
+                for name, fn in arms.items():
+                    out = [t.clone() for t in fn()]
+                    if first is None:
+                        first = out
+                    elif any(not torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                                             b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+                             for a, b in zip(first, out)):  # fmt: skip
+                        raise SystemExit(f"{part}, {rows} rows: {name}'s outputs differ from the first arm's")
+                del first, out
+                load_before = os.getloadavg()
+                times = timed(arms, time.perf_counter, args.repeats)
+                load_after = os.getloadavg()
+                row = {"part": part, "rows": rows, "ms": {k: 1e3 * v for k, v in times.items()},
+                       "load_average": [load_before[0], load_after[0]]}  # fmt: skip
+                line = f"{part:9s} rows {rows:3d}:"
+                for n in args.threads:
+                    t = times[f"new@{n}"]
+                    line += f" | {n} thr: {1e3 * t:7.2f} ms"
+                    if num_bytes:
+                        line += f" ({num_bytes / t / 1e9:4.1f} GB/s)"
+                    if args.baseline:
+                        b = times[f"base@{n}"]
+                        line += f" (base {1e3 * b:7.2f}, {b / t:.2f}x)"
+                        row[f"speedup@{n}"] = b / t
+                line += f" | load {load_before[0]:.2f}-{load_after[0]:.2f}"
+                print(line, flush=True)
+                results.append(row)
+                del fns, arms
+    if args.json:
+        result = {"cpu": features.model_name, "flags": features.reported(), "isa": current.isa,
+                  "dtype": args.dtype, "baseline": args.baseline, "results": results}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
