@@ -49,8 +49,10 @@ class PackedQuantWeight:
     pointers: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        ptrs = tuple(None if t is None else ctypes.c_void_p(t.data_ptr()) for t in (self.qs, self.scale, self.min, self.bias))
-        object.__setattr__(self, "pointers", ptrs)
+        tensors = (self.qs, self.scale, self.min, self.bias)
+        object.__setattr__(
+            self, "pointers", tuple(None if t is None else ctypes.c_void_p(t.data_ptr()) for t in tensors)
+        )
 
     @property
     def panel_width(self) -> int:
