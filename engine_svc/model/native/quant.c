@@ -17,13 +17,15 @@
  * gemm.c packs pairs, and Y [M, N] = silu(X @ Wg^T) * (X @ Wu^T).
  *
  * Up to FUSED_MAX_ROWS rows (decode), each k's weights are dequantized in registers and used
- * at once by every row: the quantized bytes are the only weight traffic. Wider, each K slice
+ * at once by every row: the quantized bytes are the only weight traffic. One and two rows
+ * (one on AVX2) skip the dequantization: each group's sum is s * sum(x q) + m * sum(x)
+ * (alg_panel). Wider, each K slice
  * of a panel is dequantized into a float32 [kc][NR] buffer that stays in L1, and gemm.c's
  * micro-tile (gemm_tile.h) runs the row block past it, so the multiply-adds run at the float
  * GEMM's rate while the weights stream at a fifth of its bytes. Either way every output tile
  * is summed whole by one thread, so results do not depend on the thread count; each sum is
  * float32 multiply-adds of exactly the dequantized weights, F.linear(X, dequantized W) up to
- * the order of the additions.
+ * the order of the additions (for one and two rows, their order and grouping).
  */
 #include <stdlib.h>
 
