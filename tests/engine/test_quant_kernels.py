@@ -80,6 +80,31 @@ def test_qgemm_equals_linear_on_the_dequantized_weight(kernels, shape):
             _assert_linear(kernels.qgemm(x, packed), x, ref, f"{qw.bits} bits, group {qw.group}, {m} rows")
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_group_sums_hold_where_the_mins_dominate(kernels, rows):
+    """One and two rows sum each group as s * sum(x q) + m * sum(x): with mins a hundred times
+    the scales' range (and of both signs), the two terms are large and nearly cancel, the
+    case where that grouping would round worst."""
+    torch.manual_seed(7)
+    n, k = 96, 576
+    q4 = quantize_int4(torch.randn(n, k) * 0.1)
+    mins = (torch.rand_like(q4.scale) - 0.5) * 200 * q4.scale * 15
+    wide = QuantizedWeight(4, q4.qs, q4.scale, mins, 32)
+    for qw in (wide, as_int8(wide, 16)):
+        packed = kernels.qpack(qw)
+        x = torch.randn(rows, k) + 0.5  # group sums of x far from 0
+        _assert_linear(kernels.qgemm(x, packed), x, qw.dequantize(), f"{qw.bits} bits, large mins, {rows} rows")
+
+
+def test_packed_weight_pointers_are_its_tensors(kernels):
+    qw = quantize_int4(torch.randn(64, 64) * 0.1)
+    packed = kernels.qpack(qw, torch.randn(64))
+    qs, scale, minimum, bias = packed.pointers
+    assert (qs.value, scale.value) == (packed.qs.data_ptr(), packed.scale.data_ptr())
+    assert (minimum.value, bias.value) == (packed.min.data_ptr(), packed.bias.data_ptr())
+    assert kernels.qpack(quantize_int8(torch.randn(64, 64))).pointers[2:] == (None, None)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 16, 64])
 def test_gate_up_epilogue_and_bias(kernels, rows):
     torch.manual_seed(rows)

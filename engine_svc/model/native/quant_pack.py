@@ -25,7 +25,8 @@ float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +44,15 @@ class PackedQuantWeight:
     out_features: int  # columns of the result: half the rows with silu_mul
     silu_mul: bool
     bias: torch.Tensor | None  # float32 [P * NR], panel order
+    # qs, scale, min, bias as the kernel's pointer arguments (None: NULL), made once: the
+    # tensors never move
+    pointers: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tensors = (self.qs, self.scale, self.min, self.bias)
+        object.__setattr__(
+            self, "pointers", tuple(None if t is None else ctypes.c_void_p(t.data_ptr()) for t in tensors)
+        )
 
     @property
     def panel_width(self) -> int:
