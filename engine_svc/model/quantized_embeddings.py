@@ -67,9 +67,9 @@ def install_quantized_embeddings(
     if "embed_tokens" in weights:
         w = weights["embed_tokens"]
         assert tuple(model.embed_tokens.weight.shape) == (w.out_features, w.in_features)
-        model.embed_tokens = QuantizedEmbedding(w, dtype)
+        model.add_module("embed_tokens", QuantizedEmbedding(w, dtype))  # a module of another type
     if "lm_head" in weights:
-        model.lm_head = SplitHead(kernels, weights["lm_head"], model.lm_head)
+        model.add_module("lm_head", SplitHead(kernels, weights["lm_head"], model.lm_head))
     logger.info(
         "GGUF blocks kept for %s (%.1f MiB); the LM head takes them for steps of up to %d rows",
         " and ".join(sorted(weights)),
