@@ -29,12 +29,11 @@ class SpecStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return self.snapshot().acceptance_rate
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens a verification step yields on average: the accepted drafts plus one."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return self.snapshot().mean_accepted_length
 
     def add(self, num_drafted: int, num_accepted: int) -> None:
         self.num_drafts += 1
