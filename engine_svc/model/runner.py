@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_svc.model.args import ModelArgs
-from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
+from engine_svc.model.attention import AttentionMetadata, AttentionSetup, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.backend import KernelBuild, ModelBackend
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.hf_quantized import quantization_scheme
@@ -94,6 +94,10 @@ class ModelRunner:
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache()
         self.workspace = self._allocate_workspace()
+        self.attention = AttentionSetup(
+            block_size, self.device, self.dtype, self.workspace, self.kernels, self.native_prefill,
+            self.model_args.sliding_window,
+        )  # fmt: skip
         self.sampler = Sampler(self.vocab_size, self.device)
         self.sampler.generator.manual_seed(seed)
 
@@ -315,19 +319,7 @@ class ModelRunner:
             token_ids += s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
             token_ids += s.draft_token_ids
         positions = flat_positions(query_lens, starts)  # [num_tokens], CPU
-        meta = AttentionMetadata.build(
-            query_lens,
-            starts,
-            block_tables,
-            positions=positions,
-            block_size=self.block_size,
-            device=self.device,
-            dtype=self.dtype,
-            workspace=self.workspace,
-            kernels=self.kernels,
-            native_prefill=self.native_prefill,
-            sliding_window=self.model_args.sliding_window,
-        )
+        meta = self.attention.metadata(query_lens, starts, block_tables, positions)
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, positions.to(self.device, non_blocking=True), meta
 

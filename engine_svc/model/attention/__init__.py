@@ -27,13 +27,22 @@ its request plus the rows of its own chunk up to itself (causal with an offset).
     layout.py    BatchLayout: the padded block table and per-request lengths every builder reads
     sdpa.py      SdpaDecode, SdpaPrefill: gathers and masks for F.scaled_dot_product_attention
     native.py    NativeDecode, NativePrefill: int32 tables for the native CPU kernels
-    metadata.py  AttentionMetadata: one decode and one prefill value per step, chosen by backend
+    metadata.py  AttentionMetadata: one decode and one prefill value per step, chosen by backend;
+                 AttentionSetup: what a model's steps build it with
     paged.py     paged_attention: writes K/V, then dispatches on those values' types
 """
 
 from engine_svc.model.attention.layout import KVCache, flat_positions
-from engine_svc.model.attention.metadata import AttentionMetadata
+from engine_svc.model.attention.metadata import AttentionMetadata, AttentionSetup
 from engine_svc.model.attention.paged import paged_attention, write_kv
 from engine_svc.model.attention.sdpa import workspace_tokens
 
-__all__ = ["AttentionMetadata", "KVCache", "flat_positions", "paged_attention", "workspace_tokens", "write_kv"]
+__all__ = [
+    "AttentionMetadata",
+    "AttentionSetup",
+    "KVCache",
+    "flat_positions",
+    "paged_attention",
+    "workspace_tokens",
+    "write_kv",
+]

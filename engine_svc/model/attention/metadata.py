@@ -109,3 +109,34 @@ class AttentionMetadata:
                 sliding_window,
             )
         return cls(slot_mapping, num_decodes, decode, prefill, sliding=sliding)
+
+
+@dataclass(frozen=True)
+class AttentionSetup:
+    """What one model's steps build their ``AttentionMetadata`` with, fixed at load: the
+    runner's model and a speculative draft model each hold one."""
+
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    workspace: KVCache
+    kernels: NativeKernels | None
+    native_prefill: bool
+    sliding_window: int | None
+
+    def metadata(
+        self, query_lens: list[int], starts: list[int], block_tables: list[list[int]], positions: torch.Tensor
+    ) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            query_lens,
+            starts,
+            block_tables,
+            positions=positions,
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            workspace=self.workspace,
+            kernels=self.kernels,
+            native_prefill=self.native_prefill,
+            sliding_window=self.sliding_window,
+        )

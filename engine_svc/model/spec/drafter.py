@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_svc.model.attention import AttentionMetadata, KVCache, flat_positions, workspace_tokens
+from engine_svc.model.attention import AttentionSetup, KVCache, flat_positions, workspace_tokens
 from engine_svc.model.backend import KernelBuild
 from engine_svc.model.gguf_checkpoint import resolve_model_dir
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block
@@ -113,6 +113,9 @@ class DraftModel:
             torch.empty(shape, dtype=dtype, device=device),
             torch.empty(shape, dtype=dtype, device=device),
         )
+        self.attention = AttentionSetup(
+            block_size, device, dtype, self.workspace, self.kernels, self.native_prefill, self.args.sliding_window
+        )
         self._num_computed: dict[str, int] = {}  # request id -> positions its cache holds
         logger.info("draft model %s: %s", self.name, backend.describe())
 
@@ -183,19 +186,7 @@ class DraftModel:
         [num_requests, vocab] float32, on the ids both models know."""
         query_lens = [len(t) for t in token_ids]
         positions = flat_positions(query_lens, starts)
-        meta = AttentionMetadata.build(
-            query_lens,
-            starts,
-            tables,
-            positions=positions,
-            block_size=self.block_size,
-            device=self.device,
-            dtype=self.dtype,
-            workspace=self.workspace,
-            kernels=self.kernels,
-            native_prefill=self.native_prefill,
-            sliding_window=self.args.sliding_window,
-        )
+        meta = self.attention.metadata(query_lens, starts, tables, positions)
         input_ids = torch.tensor([t for row in token_ids for t in row], dtype=torch.long).to(self.device)
         hidden = self.model(input_ids, positions.to(self.device), self.kv_caches, meta)  # [num_tokens, hidden]
         last = torch.tensor(query_lens).cumsum(0) - 1
