@@ -364,6 +364,7 @@ class Scheduler:
                     outputs.append(self._finish_with_error(request, error))
                     continue
                 token_ids = runner_output.spec_token_ids.get(request_id, [token_id])
+                num_tokens = request.num_tokens
                 token_logprobs = runner_output.spec_logprobs.get(request_id)
                 if token_logprobs is None:
                     logprob = runner_output.logprobs.get(request_id)
@@ -379,7 +380,9 @@ class Scheduler:
                 request.num_computed_tokens += len(new_token_ids) - 1
                 if s.draft_token_ids and self.speculator is not None:
                     num_verified = runner_output.spec_num_drafts.get(request_id)
-                    self.speculator.record(request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified)
+                    self.speculator.record(
+                        request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified, num_tokens=num_tokens
+                    )
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
                 self._release(request)
@@ -413,6 +416,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         self._finished_ids.add(request.request_id)  # the runner drops its per-request state
+        if self.speculator is not None:
+            self.speculator.drop_draft_cache(request.request_id)
 
     def _finish_with_error(self, request: Request, error: RequestError) -> EngineOutput:
         """Finish ``request`` with an in-band error; the caller takes it out of the queues."""

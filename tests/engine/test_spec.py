@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_svc.config import build_parser
-from engine_svc.outputs import ModelRunnerOutput, SchedulerOutput
+from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, SchedulerOutput
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request
 from engine_svc.sched.scheduler import Scheduler
@@ -132,6 +132,25 @@ def test_the_rule_drafts_where_it_pays_and_not_where_it_costs():
     assert plan_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=draft) == {}
     cheap = costs({1: 0.002, 64: 0.02}).seconds
     assert plan_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=cheap) == {"r0": 4}
+
+
+def test_a_draft_models_catch_up_is_priced_and_followed():
+    """A draft model's first pass computes every position its cache lacks: a request far
+    behind pays that (spread over the steps it has left), one that drafted last step not."""
+    config = SpeculativeConfig(method="draft_model", model="/tmp", num_speculative_tokens=4)
+    spec = Speculator(config, max_model_len=4096)
+    spec.step_costs.observe_all(SMOLLM2.items())
+    spec.draft_costs.observe_all({1: 0.002, 64: 0.02, 2048: 0.6}.items())  # a draft 10x cheaper
+    every = [MODEL_DRAFT] * 4
+    assert spec.plan([decoding("a", list(range(1, 12)))], 4000) == {"a": every}  # 10 behind: cheap
+    # 1998 positions behind (0.58 s of draft): worth it over a long answer, not for 1 token.
+    assert spec.plan([decoding("a", list(range(1, 2000)), max_tokens=2000)], 4000) == {"a": every}
+    assert spec.plan([decoding("a", list(range(1, 2000)), max_tokens=2)], 4000) == {}
+    # Having drafted 1 at 1999 tokens and kept it, its cache is 1 position behind: drafts pay.
+    spec.record("a", 1, 1, num_tokens=1999)
+    assert spec.plan([decoding("a", list(range(1, 2002)), max_tokens=2)], 4000) == {"a": [MODEL_DRAFT]}
+    spec.drop_draft_cache("a")  # preempted: the draft starts it again from its first token
+    assert spec.plan([decoding("a", list(range(1, 2002)), max_tokens=2)], 4000) == {}
 
 
 def test_adaptive_plan_follows_acceptance():

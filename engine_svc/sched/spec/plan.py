@@ -10,7 +10,10 @@ while they raise the step's expected output per second:
         (num_outputs + sum of the m best gains) / (T(num_rows + m) + D)
 
 where D is what drafting costs besides the rows: nothing for prompt lookup, and for a
-draft model the passes it runs, ``sum_j Tdraft(requests still drafting at pass j)``.
+draft model the passes it runs, ``sum_j Tdraft(requests still drafting at pass j)``, plus
+each drafting request's ``setup_seconds``: the share of this step in its catch-up, the
+draft's first pass over the tokens its cache lacks (the whole prompt of a new request),
+which the speculator spreads over the steps the request is expected to draft in.
 A request's drafts enter in order, so each gets a prefix of its own. At a few requests a
 step reads the weights once whatever its rows, T grows slowly and long drafts pay; at
 many, every row costs about what a request's own token does, and only drafts that are
@@ -26,11 +29,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Offer:
     """A decoding request's possible drafts: up to ``num_tokens``, each accepted with
-    chance ``acceptance`` given the ones before were."""
+    chance ``acceptance`` given the ones before were; drafting at all costs the step
+    ``setup_seconds`` more (a draft model's catch-up, amortized)."""
 
     request_id: str
     acceptance: float
     num_tokens: int
+    setup_seconds: float = 0.0
 
 
 def plan_drafts(
@@ -60,7 +65,7 @@ def plan_drafts(
     best_m, best_rate = 0, tokens / base
     pass_rows: list[int] = []  # pass_rows[j - 1]: requests drafting a j-th token so far
     draft_seconds = 0.0
-    for m, (gain, j, _) in enumerate(gains, start=1):
+    for m, (gain, j, i) in enumerate(gains, start=1):
         tokens += gain
         if draft_pass_seconds is not None:
             if len(pass_rows) < j:
@@ -68,6 +73,8 @@ def plan_drafts(
             before = draft_pass_seconds(pass_rows[j - 1]) if pass_rows[j - 1] else 0.0
             pass_rows[j - 1] += 1
             draft_seconds += draft_pass_seconds(pass_rows[j - 1]) - before
+        if j == 1:
+            draft_seconds += offers[i].setup_seconds
         rate = tokens / (step_seconds(num_rows + m) + draft_seconds)
         if rate > best_rate:
             best_m, best_rate = m, rate

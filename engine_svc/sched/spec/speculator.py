@@ -43,16 +43,22 @@ logger = logging.getLogger(__name__)
 # Verifications between two log lines with the running acceptance.
 LOG_INTERVAL = 1000
 
+# A draft model's catch-up is spread over at most this many of the request's steps.
+CATCH_UP_HORIZON = 32
+
 # (rows, seconds) measurements of the given row counts (the runner's calibration).
 Timer = Callable[[list[int]], list[tuple[int, float]]]
 
 
 class _RequestSpec:
-    __slots__ = ("acceptance", "ngram")
+    __slots__ = ("acceptance", "draft_computed", "ngram")
 
     def __init__(self) -> None:
         self.acceptance = Acceptance(REQUEST_DECAY)
         self.ngram = NgramIndex()
+        # A draft model's cache holds this request's first draft_computed positions (the
+        # drafter's own count, followed from the verifications; 0 after a preemption).
+        self.draft_computed = 0
 
 
 class Speculator:
@@ -133,14 +139,38 @@ class Speculator:
         self, offers: list[tuple[Request, int]], num_rows: int, num_outputs: int, max_drafts: int
     ) -> dict[str, int]:
         pool = self._pool.rate(0.0, 0.0)
+        rates = {r.request_id: self._state(r).acceptance.rate(pool, PRIOR_WEIGHT) for r, _ in offers}
         return plan_drafts(
-            [Offer(r.request_id, self._state(r).acceptance.rate(pool, PRIOR_WEIGHT), n) for r, n in offers if n > 0],
+            [
+                Offer(r.request_id, rates[r.request_id], n, self._catch_up_seconds(r, rates[r.request_id], n))
+                for r, n in offers
+                if n > 0
+            ],
             num_rows=num_rows,
             num_outputs=num_outputs,
             max_drafts=max_drafts,
             step_seconds=self.step_costs.seconds,
             draft_pass_seconds=self.draft_costs.seconds if self.uses_draft_model else None,
         )
+
+    def _catch_up_seconds(self, request: Request, acceptance: float, num_drafts: int) -> float:
+        """This step's share of the draft model's catch-up for ``request``: its first pass
+        computes every position its cache lacks besides the last token's, which costs
+        ``Tdraft(1 + lag) - Tdraft(1)`` once, spread over the steps the request is expected
+        to draft in (its tokens left over the tokens a step yields, at most
+        ``CATCH_UP_HORIZON``). Nothing for prompt lookup."""
+        if not self.uses_draft_model:
+            return 0.0
+        lag = request.num_tokens - 1 - self._state(request).draft_computed
+        if lag <= 0:
+            return 0.0
+        seconds = self.draft_costs.seconds(1 + lag) - self.draft_costs.seconds(1)
+        tokens_left = min(
+            request.sampling_params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+        per_step = sum(acceptance**j for j in range(num_drafts + 1))
+        return max(seconds, 0.0) / min(max(tokens_left / per_step, 1.0), CATCH_UP_HORIZON)
 
     def _max_drafts(self, request: Request) -> int:
         return min(
@@ -157,18 +187,30 @@ class Speculator:
 
     # -- after the step ---------------------------------------------------------------
 
-    def record(self, request_id: str, num_drafted: int, num_accepted: int, num_verified: int | None = None) -> None:
+    def record(
+        self,
+        request_id: str,
+        num_drafted: int,
+        num_accepted: int,
+        num_verified: int | None = None,
+        *,
+        num_tokens: int | None = None,
+    ) -> None:
         """One verification: of ``num_drafted`` drafts, ``num_verified`` (all unless an
         output constraint cut some first) were verified and the first ``num_accepted`` held.
         The totals count verified drafts; the estimates count a cut one as rejected, as
-        its row was paid for."""
+        its row was paid for. ``num_tokens``: the request's tokens in the step (before
+        the accepted ones), from which a draft model's cache now ends where the
+        drafter's does (``model/spec/drafter.py``: the accepted drafts' entries are its)."""
+        state = self._requests.get(request_id)
+        if state is not None and num_tokens is not None and self.uses_draft_model and num_drafted > 0:
+            state.draft_computed = min(num_tokens + num_drafted - 1, num_tokens + num_accepted)
         num_verified = num_drafted if num_verified is None else num_verified
         if num_verified > 0:
             self.stats.add(num_verified, num_accepted)
         if num_drafted <= 0:
             return
         self._pool.record(num_drafted, num_accepted)
-        state = self._requests.get(request_id)
         if state is not None:
             state.acceptance.record(num_drafted, num_accepted)
         stats = self.stats
@@ -190,6 +232,13 @@ class Speculator:
             self.step_costs.observe(scheduler_output.num_tokens, seconds)
         for num_rows, pass_seconds in runner_output.draft_passes:
             self.draft_costs.observe(num_rows, pass_seconds)
+
+    def drop_draft_cache(self, request_id: str) -> None:
+        """The request's blocks went back (preempted, paused): a draft model starts it
+        again from its first token, as the drafter does."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.draft_computed = 0
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
