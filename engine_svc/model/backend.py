@@ -31,6 +31,7 @@ from typing import Literal
 
 import torch
 
+from engine_svc.model.decode_stack import install_decode_stack
 from engine_svc.model.llama import Transformer
 from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
 from engine_svc.model.native.quant import QuantizedWeight
@@ -150,6 +151,8 @@ def install_backend(
         num_packed = pack_linears(model, batch_size_hint)
     if quantized_embeddings and kernels is not None:
         install_quantized_embeddings(model, kernels, quantized_embeddings, dtype)
+    if kernels is not None and device.type == "cpu":
+        install_decode_stack(model, kernels)
     backend = ModelBackend(
         kernels=kernels,
         matmuls=_QUANTIZED.get(

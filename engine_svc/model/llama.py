@@ -15,6 +15,7 @@ four matmuls instead of seven.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -27,7 +28,17 @@ from engine_svc.model.rope import RotaryEmbedding, StepRope
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecoderLayer", "ModelArgs", "Transformer"]
+__all__ = ["DecoderLayer", "LayerStack", "ModelArgs", "Transformer"]
+
+
+class LayerStack(Protocol):
+    """Every decoder layer of some steps at once (decode_stack.py)."""
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class DecoderLayer(nn.Module):
@@ -88,6 +99,9 @@ class Transformer(nn.Module):
         self.rotary: nn.Module = RotaryEmbedding(args.rotary_dim)  # makes each step's StepRope
         # The sliding-window layers' own RoPE (Gemma 3's local theta); None: they share ``rotary``.
         self.sliding_rotary: nn.Module | None = None
+        # Every layer of a decode-only step in one native call (decode_stack.py), where the
+        # model qualifies; None: the layers run one by one.
+        self.decode_stack: LayerStack | None = None
         if args.sliding_rope_theta is not None:
             self.sliding_rotary = RotaryEmbedding(args.rotary_dim)
 
@@ -102,6 +116,9 @@ class Transformer(nn.Module):
         if self.args.embed_scale is not None:
             # Rounded to the model dtype first, as transformers does.
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        if self.decode_stack is not None and self.decode_stack.takes(x, meta):
+            out, stream = self.decode_stack.run(x, positions, kv_caches, meta)
+            return self.norm(out, stream)[0]
         rope = self.rotary(positions, x.dtype)  # once per step, for every layer
         sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary(positions, x.dtype)
         residual = None

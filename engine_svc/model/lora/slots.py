@@ -211,6 +211,7 @@ class LoraSlots:
                 )  # fmt: skip
                 setattr(parent, attr, layer)
                 self.layers[name] = layer
+        model.decode_stack = None  # its C code has no LoRA terms: the layers run one by one
         self.max_rank = max((layer.max_rank for layer in self.layers.values()), default=0)
         logger.info(
             "LoRA: %d adapter slots of rank <= %d over %d projections, %.1f MiB",

@@ -34,6 +34,7 @@ _SIGNATURES = {
     "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
     "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
     "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _I, _P, _P, _L, _I, _I, _I, _I, _I, _I],
+    "tk_decode_stack": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I],
 }
 
 
@@ -249,6 +250,11 @@ class NativeKernels:
             return out
         half, tiles = w.out_features, w.qs.shape[0] // 2
         return out.view(m, tiles, 2, nr).transpose(1, 2).reshape(m, 2, tiles * nr)[:, :, :half].reshape(m, 2 * half)
+
+    def decode_stack(self, *args: object) -> int:
+        """``tk_decode_stack`` (stack.c) as it is: its caller (``model/decode_stack.py``)
+        builds and checks the layer table and buffers it points at."""
+        return self._lib.tk_decode_stack(*args)
 
     # -- small ops --------------------------------------------------------------------
 

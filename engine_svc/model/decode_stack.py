@@ -1,0 +1,192 @@
+"""A decode-only step's decoder layers in one native call (native/stack.c).
+
+    install_decode_stack(model, kernels)     at load, after the native layers: sets
+                                             ``model.decode_stack`` where the model qualifies
+    Transformer.forward                      a step of decode rows only goes through it
+
+A decode step at small batch is a few milliseconds of arithmetic split into some 300 calls
+(per layer a norm, four linear layers, RoPE, the K/V write, attention), and at batch 1 the
+Python around them costs about as much as the kernels. ``tk_decode_stack`` calls the same
+kernels with the same arguments in the same order, so its output is bit for bit the
+module path's (tests/engine/test_decode_stack.py).
+
+It takes what its C code implements and nothing else: float32 activations and caches,
+Llama-shaped layers (pre-norm, fused qkv, full RoPE, no q/k norm, no sliding window, a
+SiLU-and-multiply MLP) on the native kernels, with packed float32 or quantized linear
+layers, and no LoRA adapters (``LoraSlots`` takes it out). Any other model, or a step with
+prefill rows, takes the module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from engine_svc.model.attention import AttentionMetadata, KVCache
+from engine_svc.model.attention.native import NativeDecode
+from engine_svc.model.layers import MLP, Attention
+from engine_svc.model.llama import DecoderLayer, Transformer
+from engine_svc.model.native import NativeKernels
+from engine_svc.model.native.kernels import EPILOGUE_NONE, EPILOGUE_SILU_MUL, KernelError
+from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
+from engine_svc.model.quantized_layers import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SCALE_CODES = {torch.float32: 0, torch.float16: 2}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("quantized", _I), ("kind", _I), ("w", _P), ("scale", _P), ("min", _P), ("sdtype", _I), ("group", _I),
+        ("bias", _P), ("n", _I), ("k", _I), ("epilogue", _I),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+        ("down", _Linear), ("k_cache", _P), ("v_cache", _P),
+    ]  # fmt: skip
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I), ("block_size", _I),
+        ("max_position", _I), ("eps", _F), ("scale", _F),
+    ]  # fmt: skip
+
+
+def _linear(module: torch.nn.Module) -> _Linear | None:
+    if type(module) is QuantizedLinear:
+        w = module.weight_p
+        qs, scale, minimum, bias = w.pointers
+        return _Linear(
+            1, w.bits, qs, scale, minimum, _SCALE_CODES[w.scale.dtype], w.group, bias, w.out_features, w.in_features,
+            EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
+        )  # fmt: skip
+    if type(module) is NativeLinear and module.packed.panels.dtype == torch.float32:
+        p = module.packed
+        return _Linear(
+            0, 0, p.panels.data_ptr(), None, None, 0, 0, None if p.bias is None else p.bias.data_ptr(),
+            p.out_features, p.in_features, EPILOGUE_SILU_MUL if p.silu_mul else EPILOGUE_NONE,
+        )  # fmt: skip
+    return None
+
+
+class DecodeStack:
+    """The model's layers as ``tk_decode_stack`` takes them (pointers into the modules'
+    own tensors, which the model keeps alive), and the call."""
+
+    def __init__(self, model: Transformer, kernels: NativeKernels, layers: list[_Layer], shape: _Shape) -> None:
+        self.kernels = kernels
+        self.layers = (_Layer * len(layers))(*layers)
+        self.shape = shape
+        assert isinstance(model.rotary, NativeRotary)
+        self.cos_sin = model.rotary.cos_sin  # [max_position, head_dim] float32
+        self._caches: list[KVCache] | None = None
+        self._cache_ptrs: tuple[int, int] = (0, 0)
+        args = model.args
+        self._width = args.hidden_size + (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        self._width += args.num_heads * args.head_dim + max(layer.gate_up.n for layer in layers)
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the stack runs: decode rows only, on the native kernel."""
+        decode = meta.decode
+        return (
+            meta.prefill is None
+            and isinstance(decode, NativeDecode)
+            and decode.num_rows == x.shape[0]
+            and x.dtype == torch.float32
+        )
+
+    def _point_at(self, kv_caches: list[KVCache]) -> None:
+        first = (kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
+        if kv_caches is self._caches and first == self._cache_ptrs:
+            return
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"decode stack: {len(kv_caches)} caches for {len(self.layers)} layers")
+        for layer, (k, v) in zip(self.layers, kv_caches):
+            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("decode stack: caches must be contiguous float32")
+            if k.shape[2:] != (self.shape.num_kv_heads, self.shape.head_dim) or k.shape != v.shape:
+                raise ValueError(f"decode stack: a cache of shape {tuple(k.shape)} does not fit the model")
+            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+        self.shape.block_size = kv_caches[0][0].shape[1]
+        self._caches, self._cache_ptrs = kv_caches, first
+
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the embedding [rows, hidden] float32 (overwritten) -> (the last layer's MLP
+        output, the residual stream), what the module path's layer loop returns."""
+        decode = meta.decode
+        assert isinstance(decode, NativeDecode)
+        self._point_at(kv_caches)
+        m = x.shape[0]
+        x = x.contiguous()
+        residual = torch.empty_like(x)
+        ws = torch.empty(m * self._width, dtype=torch.float32)
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        table = decode.block_table
+        rc = self.kernels.decode_stack(
+            ctypes.byref(self.layers), len(self.layers), ctypes.byref(self.shape), x.data_ptr(), residual.data_ptr(),
+            positions.data_ptr(), slots.data_ptr(), table.data_ptr(), table.shape[1], decode.ctx_lens.data_ptr(),
+            decode.max_ctx_len, self.cos_sin.data_ptr(), ws.data_ptr(), m, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise KernelError(f"decode stack failed in layer {rc // 100 - 1} (code {rc % 100})")
+        return x, residual
+
+
+def build_decode_stack(model: Transformer, kernels: NativeKernels) -> DecodeStack | None:
+    """The stack for ``model``, or None where one of its parts is not what the C code does
+    (the reason is logged at debug level)."""
+
+    def no(reason: str) -> DecodeStack | None:
+        logger.debug("decode stack: not used (%s)", reason)
+        return None
+
+    args = model.args
+    if not isinstance(model.rotary, NativeRotary) or model.sliding_rotary is not None:
+        return no("RoPE is not the native full rotation")
+    layers: list[_Layer] = []
+    eps: set[float] = set()
+    scales: set[float] = set()
+    for layer in model.layers:
+        if type(layer) is not DecoderLayer or layer.pre_ff_norm is not None or layer.post_ff_norm is not None:
+            return no("a layer is not a pre-norm decoder layer")
+        attn, mlp = layer.attn, layer.mlp
+        if type(attn) is not Attention or attn.q_norm is not None or attn.sliding_window is not None:
+            return no("attention with q/k norms or a sliding window")
+        if type(mlp) is not MLP or not mlp.act_fused:
+            return no("an MLP without the fused SiLU-and-multiply")
+        norms = (layer.input_norm, layer.post_attn_norm)
+        if not all(type(n) is NativeRMSNorm and n.weight.dtype == torch.float32 for n in norms):
+            return no("a norm off the native kernel")
+        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(lin is None for lin in linears):
+            return no("a linear layer that is neither packed float32 nor quantized")
+        eps.update(n.eps for n in norms)
+        scales.add(attn.scale)
+        layers.append(
+            _Layer(layer.input_norm.weight.data_ptr(), layer.post_attn_norm.weight.data_ptr(), *linears, None, None)
+        )
+    if len(eps) != 1 or len(scales) != 1:
+        return no("norms or attention scales differ between layers")
+    shape = _Shape(
+        args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, 0,  # block size: the caches'
+        model.rotary.cos_sin.shape[0], eps.pop(), scales.pop(),
+    )  # fmt: skip
+    return DecodeStack(model, kernels, layers, shape)
+
+
+def install_decode_stack(model: Transformer, kernels: NativeKernels) -> bool:
+    """Set ``model.decode_stack`` where the model qualifies; returns whether it did."""
+    stack = build_decode_stack(model, kernels)
+    model.decode_stack = stack
+    return stack is not None

@@ -1,0 +1,130 @@
+/*
+ * tk_decode_stack: every decoder layer of a decode-only step in one call.
+ *
+ * A decode step at small batch is short (a few milliseconds for a 135M model) and made of
+ * many small calls: per layer a norm, four linear layers, RoPE, the K/V write and the
+ * attention. Called one by one from Python, the calls' own cost (arguments, a tensor per
+ * result, the module tree) is a large share of the step. This runs the same kernels, with
+ * the same arguments and in the same order as the layers' Python path (llama.py,
+ * native_layers.py, attention/paged.py), over buffers the caller hands in, so its results
+ * are bit for bit those of that path.
+ *
+ * Per layer, on M rows (one token each), with x the previous layer's output and r the
+ * residual stream (the first layer: x is the embedding, r becomes x):
+ *
+ *   h = rms_norm(r += x) * w_in               tk_rms_norm
+ *   qkv = h @ Wqkv^T (+ b)                    tk_gemm / tk_qgemm
+ *   rope(q, k heads of qkv)                    tk_rope
+ *   k, v -> their slots in the paged cache    (a copy per row)
+ *   a = attention(q, cache)                   tk_decode_attention
+ *   o = a @ Wo^T (+ b)
+ *   h = rms_norm(r += o) * w_post
+ *   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T
+ *
+ * Float32 activations and caches only; the linear layers may be packed float32/bfloat16
+ * panels (gemm.c) or quantized ones (quant.c), layer by layer.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "tandem_kernels.h"
+
+typedef struct tk_lora tk_lora;
+
+int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, const float *bias, void *c, int ldc,
+            int cdtype, int M, int N, int K, int epilogue, float *ws, const tk_lora *lora, int num_threads);
+int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *scale, const void *min, int sdtype,
+             int group, const float *bias, void *y, long ldy, int ydtype, int M, int N, int K, int epilogue,
+             int nthreads);
+int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps,
+                int dtype, int num_threads);
+int tk_rope(void *qkv, long row_stride, const int64_t *positions, const float *cos_sin, int max_position, int rows,
+            int num_heads, int head_dim, int dtype, int num_threads);
+int tk_decode_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
+                        const int32_t *block_table, const int32_t *ctx_lens, int num_rows, int num_heads,
+                        int num_kv_heads, int head_dim, int block_size, int table_stride, int max_ctx_len,
+                        float scale, int dtype, int num_threads);
+
+/* One linear layer as its kernel takes it. quantized 0: tk_gemm on panels of dtype
+ * `kind` (TK_F32 / TK_BF16 panels with float32 rows); 1: tk_qgemm of kind 8 or 4. */
+typedef struct {
+    int quantized;
+    int kind;
+    const void *w;
+    const void *scale; /* quantized only */
+    const void *min;
+    int sdtype;
+    int group;
+    const float *bias;
+    int n; /* output columns (of the SiLU-and-multiply's result for a gate/up pair) */
+    int k;
+    int epilogue;
+} tk_linear;
+
+typedef struct {
+    const float *in_norm;   /* [hidden] */
+    const float *post_norm; /* [hidden] */
+    tk_linear qkv, o, gate_up, down;
+    float *k_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    float *v_cache;
+} tk_layer;
+
+typedef struct {
+    int hidden, num_heads, num_kv_heads, head_dim, block_size, max_position;
+    float eps, scale;
+} tk_stack_shape;
+
+static int linear(const tk_linear *l, const float *x, int M, float *y, int threads) {
+    if (l->quantized)
+        return tk_qgemm(x, l->k, l->kind, l->w, l->scale, l->min, l->sdtype, l->group, l->bias, y, l->n, TK_F32, M,
+                        l->n, l->k, l->epilogue, threads);
+    return tk_gemm(x, l->k, TK_F32, l->w, l->kind, l->bias, y, l->n, TK_F32, M, l->n, l->k, l->epilogue, NULL, NULL,
+                   threads);
+}
+
+/* x [M, hidden]: the embedding in, the last layer's MLP output out; residual [M, hidden]:
+ * the stream out (the caller norms residual + x). positions, slots: [M] int64; block_table
+ * [M, table_stride] and ctx_lens [M] int32. ws: float32 workspace of at least
+ * M * (hidden + qkv + heads * head_dim + intermediate) floats. Returns 0, or 100 * (layer +
+ * 1) + the failing kernel's code. */
+int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape *s, float *x, float *residual,
+                    const int64_t *positions, const int64_t *slots, const int32_t *block_table, int table_stride,
+                    const int32_t *ctx_lens, int max_ctx_len, const float *cos_sin, float *ws, int M,
+                    int num_threads) {
+    if (M <= 0 || num_layers <= 0) return M < 0 ? 2 : 0;
+    const int hd = s->head_dim, nh = s->num_heads, nkv = s->num_kv_heads;
+    const int qkv_n = (nh + 2 * nkv) * hd, kv_width = nkv * hd;
+    for (int l = 0; l < num_layers; l++)
+        if (layers[l].qkv.n != qkv_n || layers[l].o.k != nh * hd || layers[l].gate_up.n != layers[l].down.k)
+            return 100 * (l + 1) + 2;
+    float *h = ws, *qkv = h + (size_t)M * s->hidden, *attn = qkv + (size_t)M * qkv_n, *gu = attn + (size_t)M * nh * hd;
+    for (int l = 0; l < num_layers; l++) {
+        const tk_layer *L = &layers[l];
+        int rc;
+#define RUN(call)                              \
+    do {                                       \
+        if ((rc = (call)) != 0) return 100 * (l + 1) + rc; \
+    } while (0)
+        if (l == 0) {
+            memcpy(residual, x, sizeof(float) * (size_t)M * s->hidden);
+            RUN(tk_rms_norm(h, NULL, x, L->in_norm, M, s->hidden, s->eps, TK_F32, num_threads));
+        } else {
+            RUN(tk_rms_norm(h, residual, x, L->in_norm, M, s->hidden, s->eps, TK_F32, num_threads));
+        }
+        RUN(linear(&L->qkv, h, M, qkv, num_threads));
+        RUN(tk_rope(qkv, qkv_n, positions, cos_sin, s->max_position, M, nh + nkv, hd, TK_F32, num_threads));
+        for (int r = 0; r < M; r++) {
+            const float *row = qkv + (size_t)r * qkv_n;
+            memcpy(L->k_cache + (size_t)slots[r] * kv_width, row + (size_t)nh * hd, sizeof(float) * kv_width);
+            memcpy(L->v_cache + (size_t)slots[r] * kv_width, row + (size_t)(nh + nkv) * hd, sizeof(float) * kv_width);
+        }
+        RUN(tk_decode_attention(attn, qkv, qkv_n, L->k_cache, L->v_cache, block_table, ctx_lens, M, nh, nkv, hd,
+                                s->block_size, table_stride, max_ctx_len, s->scale, TK_F32, num_threads));
+        RUN(linear(&L->o, attn, M, x, num_threads));
+        RUN(tk_rms_norm(h, residual, x, L->post_norm, M, s->hidden, s->eps, TK_F32, num_threads));
+        RUN(linear(&L->gate_up, h, M, gu, num_threads));
+        RUN(linear(&L->down, gu, M, x, num_threads));
+#undef RUN
+    }
+    return 0;
+}
