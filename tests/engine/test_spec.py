@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_svc.config import build_parser
-from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, SchedulerOutput
+from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request
 from engine_svc.sched.scheduler import Scheduler
@@ -151,6 +151,29 @@ def test_a_draft_models_catch_up_is_priced_and_followed():
     assert spec.plan([decoding("a", list(range(1, 2002)), max_tokens=2)], 4000) == {"a": [MODEL_DRAFT]}
     spec.drop_draft_cache("a")  # preempted: the draft starts it again from its first token
     assert spec.plan([decoding("a", list(range(1, 2002)), max_tokens=2)], 4000) == {}
+
+
+def test_steps_with_drafts_dearer_than_their_costs_say_correct_the_rule():
+    """Whatever the row-count costs miss, steps with drafts that measure 3x what they were
+    expected to cost, while plain steps cost what they should, make drafting rarer."""
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), max_model_len=64)
+    spec.step_costs.observe_all(SMOLLM2.items())
+    requests = [decoding(f"r{i}", COPY) for i in range(4)]
+    before = spec.plan(requests, 100)
+    assert sum(map(len, before.values())) >= 8
+    for _ in range(40):
+        drafts = spec.plan(requests, 100)
+        if not drafts:
+            break
+        out = SchedulerOutput([ScheduledRequest(r, 1, [0], drafts.get(r.request_id, [])) for r in requests])
+        spec.observe(out, ModelRunnerOutput(execute_s=3 * spec.step_costs.seconds(out.num_tokens)))
+        plain = SchedulerOutput([ScheduledRequest(r, 1, [0]) for r in requests])
+        spec.observe(plain, ModelRunnerOutput(execute_s=spec.step_costs.seconds(4)))
+    assert spec.cost_factor > 1.3
+    assert sum(map(len, spec.plan(requests, 100).values())) < sum(map(len, before.values())) / 2
+    for _ in range(300):  # plain steps only: the correction fades and drafting resumes
+        spec.observe(plain, ModelRunnerOutput(execute_s=spec.step_costs.seconds(4)))
+    assert spec.plan(requests, 100) == before
 
 
 def test_adaptive_plan_follows_acceptance():

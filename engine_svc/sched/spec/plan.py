@@ -38,6 +38,12 @@ class Offer:
     setup_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class DraftPlan:
+    counts: dict[str, int]  # draft tokens per request id (absent: none)
+    seconds: float  # the step's expected cost with them, before ``cost_factor``
+
+
 def plan_drafts(
     offers: list[Offer],
     *,
@@ -46,23 +52,45 @@ def plan_drafts(
     max_drafts: int | None = None,
     step_seconds: Callable[[int], float],
     draft_pass_seconds: Callable[[int], float] | None = None,
+    cost_factor: float = 1.0,
 ) -> dict[str, int]:
     """Draft tokens per request id (absent: none) for a step of ``num_rows`` rows without
     drafts, ``num_outputs`` of them yielding a token, at most ``max_drafts`` in all (the
-    budget left). See the module docstring."""
+    budget left); a step with drafts is taken to cost ``cost_factor`` times what the
+    costs say. See the module docstring."""
+    return choose_drafts(
+        offers,
+        num_rows=num_rows,
+        num_outputs=num_outputs,
+        max_drafts=max_drafts,
+        step_seconds=step_seconds,
+        draft_pass_seconds=draft_pass_seconds,
+        cost_factor=cost_factor,
+    ).counts
+
+
+def choose_drafts(
+    offers: list[Offer],
+    *,
+    num_rows: int,
+    num_outputs: int,
+    max_drafts: int | None = None,
+    step_seconds: Callable[[int], float],
+    draft_pass_seconds: Callable[[int], float] | None = None,
+    cost_factor: float = 1.0,
+) -> DraftPlan:
+    """``plan_drafts`` with the expected cost of the step it chose."""
     gains = sorted(
         ((o.acceptance**j, j, i) for i, o in enumerate(offers) for j in range(1, o.num_tokens + 1)),
         key=lambda g: (-g[0], g[1], g[2]),
     )
     if max_drafts is not None:
         gains = gains[:max_drafts]
-    if not gains:
-        return {}
-    tokens = float(num_outputs)
     base = step_seconds(num_rows)
-    if base <= 0.0:
-        return {}
-    best_m, best_rate = 0, tokens / base
+    if not gains or base <= 0.0:
+        return DraftPlan({}, base)
+    tokens = float(num_outputs)
+    best_m, best_rate, best_seconds = 0, tokens / base, base
     pass_rows: list[int] = []  # pass_rows[j - 1]: requests drafting a j-th token so far
     draft_seconds = 0.0
     for m, (gain, j, i) in enumerate(gains, start=1):
@@ -75,11 +103,12 @@ def plan_drafts(
             draft_seconds += draft_pass_seconds(pass_rows[j - 1]) - before
         if j == 1:
             draft_seconds += offers[i].setup_seconds
-        rate = tokens / (step_seconds(num_rows + m) + draft_seconds)
+        seconds = step_seconds(num_rows + m) + draft_seconds
+        rate = tokens / (seconds * cost_factor)
         if rate > best_rate:
-            best_m, best_rate = m, rate
+            best_m, best_rate, best_seconds = m, rate, seconds
     counts: dict[str, int] = {}
     for _, _, i in gains[:best_m]:
         request_id = offers[i].request_id
         counts[request_id] = counts.get(request_id, 0) + 1
-    return counts
+    return DraftPlan(counts, best_seconds)

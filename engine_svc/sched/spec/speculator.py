@@ -28,7 +28,7 @@ from engine_svc.sched.request import Request
 from engine_svc.sched.spec.config import SpeculativeConfig
 from engine_svc.sched.spec.costs import StepCosts, calibration_sizes
 from engine_svc.sched.spec.ngram import NgramIndex
-from engine_svc.sched.spec.plan import Offer, plan_drafts
+from engine_svc.sched.spec.plan import Offer, choose_drafts
 from engine_svc.sched.spec.stats import (
     INITIAL_ACCEPTANCE,
     POOL_DECAY,
@@ -45,6 +45,14 @@ LOG_INTERVAL = 1000
 
 # A draft model's catch-up is spread over at most this many of the request's steps.
 CATCH_UP_HORIZON = 32
+
+# How the measured cost of steps with drafts against their expected cost is followed
+# (an average decaying by 1 - RATIO_WEIGHT a step), and the bounds of the correction.
+RATIO_WEIGHT = 0.1
+# Each plain step forgets this much of that correction, so a rule that stopped drafting
+# tries again (after about a hundred steps) rather than never learning that it would pay.
+RATIO_FORGET = 0.01
+MIN_COST_FACTOR, MAX_COST_FACTOR = 0.8, 4.0
 
 # (rows, seconds) measurements of the given row counts (the runner's calibration).
 Timer = Callable[[list[int]], list[tuple[int, float]]]
@@ -73,6 +81,19 @@ class Speculator:
         self.draft_costs = StepCosts()  # the draft model's passes, by rows
         self._pool = Acceptance(POOL_DECAY, INITIAL_ACCEPTANCE * PRIOR_WEIGHT, (1 - INITIAL_ACCEPTANCE) * PRIOR_WEIGHT)
         self._requests: dict[str, _RequestSpec] = {}
+        # What steps cost against what the step costs said, with drafts and without
+        # (averages), and what this step was expected to cost with its drafts.
+        self._ratio_drafted = 1.0
+        self._ratio_plain = 1.0
+        self._expected: float | None = None
+
+    @property
+    def cost_factor(self) -> float:
+        """How much dearer a step with drafts turns out than the costs say, beyond what any
+        step does (the row-count costs miss verification's sampling, longer contexts, a
+        draft's catch-up taking longer than its table): the adaptive rule's correction."""
+        factor = self._ratio_drafted / self._ratio_plain
+        return min(max(factor, MIN_COST_FACTOR), MAX_COST_FACTOR)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -100,6 +121,7 @@ class Speculator:
         compute), by request id; requests without drafts are absent. ``running`` in the
         scheduler's order, which is the order the budget is handed out in."""
         config = self.config
+        self._expected = None
         if config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size:
             return {}
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
@@ -140,20 +162,26 @@ class Speculator:
     ) -> dict[str, int]:
         pool = self._pool.rate(0.0, 0.0)
         rates = {r.request_id: self._state(r).acceptance.rate(pool, PRIOR_WEIGHT) for r, _ in offers}
-        return plan_drafts(
-            [
-                Offer(r.request_id, rates[r.request_id], n, self._catch_up_seconds(r, rates[r.request_id], n))
-                for r, n in offers
-                if n > 0
-            ],
+        shares = {r.request_id: self._catch_up_seconds(r, rates[r.request_id], n) for r, n in offers}
+        plan = choose_drafts(
+            [Offer(r.request_id, rates[r.request_id], n, shares[r.request_id]) for r, n in offers if n > 0],
             num_rows=num_rows,
             num_outputs=num_outputs,
             max_drafts=max_drafts,
             step_seconds=self.step_costs.seconds,
             draft_pass_seconds=self.draft_costs.seconds if self.uses_draft_model else None,
+            cost_factor=self.cost_factor,
         )
+        if plan.counts:
+            # The step pays each catch-up whole, not the share the rule weighed.
+            by_id = {r.request_id: r for r, _ in offers}
+            catch_up = sum(self._catch_up_seconds(by_id[i], 0.0, 0, spread=False) - shares[i] for i in plan.counts)
+            self._expected = plan.seconds + catch_up
+        else:
+            self._expected = None
+        return plan.counts
 
-    def _catch_up_seconds(self, request: Request, acceptance: float, num_drafts: int) -> float:
+    def _catch_up_seconds(self, request: Request, acceptance: float, num_drafts: int, *, spread: bool = True) -> float:
         """This step's share of the draft model's catch-up for ``request``: its first pass
         computes every position its cache lacks besides the last token's, which costs
         ``Tdraft(1 + lag) - Tdraft(1)`` once, spread over the steps the request is expected
@@ -164,13 +192,15 @@ class Speculator:
         lag = request.num_tokens - 1 - self._state(request).draft_computed
         if lag <= 0:
             return 0.0
-        seconds = self.draft_costs.seconds(1 + lag) - self.draft_costs.seconds(1)
+        seconds = max(self.draft_costs.seconds(1 + lag) - self.draft_costs.seconds(1), 0.0)
+        if not spread:
+            return seconds
         tokens_left = min(
             request.sampling_params.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
         )
         per_step = sum(acceptance**j for j in range(num_drafts + 1))
-        return max(seconds, 0.0) / min(max(tokens_left / per_step, 1.0), CATCH_UP_HORIZON)
+        return seconds / min(max(tokens_left / per_step, 1.0), CATCH_UP_HORIZON)
 
     def _max_drafts(self, request: Request) -> int:
         return min(
@@ -228,6 +258,19 @@ class Speculator:
         if not self.config.adaptive:
             return
         seconds = runner_output.execute_s
+        actual = seconds + sum(s for _, s in runner_output.draft_passes)
+        scheduled = scheduler_output.scheduled
+        drafted = any(s.draft_token_ids for s in scheduled)
+        # Decode steps only: a prefill row costs what no decode row does.
+        decoding = all(s.num_new_tokens == 1 for s in scheduled)  # drafts come on top
+        if not decoding:
+            pass
+        elif drafted and self._expected:
+            self._ratio_drafted += RATIO_WEIGHT * (actual / self._expected - self._ratio_drafted)
+        elif not drafted and (expected := self.step_costs.seconds(scheduler_output.num_tokens)) > 0.0:
+            self._ratio_plain += RATIO_WEIGHT * (actual / expected - self._ratio_plain)
+            self._ratio_drafted += RATIO_FORGET * (self._ratio_plain - self._ratio_drafted)
+        self._expected = None
         if seconds > 0.0 and all(s.num_new_tokens == 1 for s in scheduler_output.scheduled):
             self.step_costs.observe(scheduler_output.num_tokens, seconds)
         for num_rows, pass_seconds in runner_output.draft_passes:
