@@ -256,7 +256,7 @@ class ModelRunner:
         # A draft model fills the scheduler's draft slots first (model/spec/drafter.py), on
         # every thread: the governor's choice is for the step's rows, not the passes'.
         drafts = None
-        if self.drafter is not None:
+        if self.drafter is not None and any(s.draft_token_ids for s in batch):
             with self.threads.all_threads() if self.threads is not None else contextlib.nullcontext():
                 drafts = self.drafter.propose(batch, self.sampler)
         if drafts is not None:

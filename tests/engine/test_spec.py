@@ -132,6 +132,12 @@ def test_the_rule_drafts_where_it_pays_and_not_where_it_costs():
     assert plan_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=draft) == {}
     cheap = costs({1: 0.002, 64: 0.02}).seconds
     assert plan_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=cheap) == {"r0": 4}
+    # A gain asked for: 4 drafts at 0.9 promise 4.1x the tokens for 1.6x the seconds (2.57x).
+    for min_gain, want in ((1.1, {"r0": 4}), (2.5, {"r0": 4}), (2.6, {})):
+        got = plan_drafts(
+            offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=cheap, min_gain=min_gain
+        )
+        assert got == want, min_gain
 
 
 def test_a_draft_models_catch_up_is_priced_and_followed():

@@ -53,11 +53,13 @@ def plan_drafts(
     step_seconds: Callable[[int], float],
     draft_pass_seconds: Callable[[int], float] | None = None,
     cost_factor: float = 1.0,
+    min_gain: float = 1.0,
 ) -> dict[str, int]:
     """Draft tokens per request id (absent: none) for a step of ``num_rows`` rows without
     drafts, ``num_outputs`` of them yielding a token, at most ``max_drafts`` in all (the
     budget left); a step with drafts is taken to cost ``cost_factor`` times what the
-    costs say. See the module docstring."""
+    costs say, and drafts are taken only where they promise ``min_gain`` times the
+    output rate of the step without. See the module docstring."""
     return choose_drafts(
         offers,
         num_rows=num_rows,
@@ -66,6 +68,7 @@ def plan_drafts(
         step_seconds=step_seconds,
         draft_pass_seconds=draft_pass_seconds,
         cost_factor=cost_factor,
+        min_gain=min_gain,
     ).counts
 
 
@@ -78,6 +81,7 @@ def choose_drafts(
     step_seconds: Callable[[int], float],
     draft_pass_seconds: Callable[[int], float] | None = None,
     cost_factor: float = 1.0,
+    min_gain: float = 1.0,
 ) -> DraftPlan:
     """``plan_drafts`` with the expected cost of the step it chose."""
     gains = sorted(
@@ -90,7 +94,7 @@ def choose_drafts(
     if not gains or base <= 0.0:
         return DraftPlan({}, base)
     tokens = float(num_outputs)
-    best_m, best_rate, best_seconds = 0, tokens / base, base
+    best_m, best_rate, best_seconds = 0, tokens / base * min_gain, base
     pass_rows: list[int] = []  # pass_rows[j - 1]: requests drafting a j-th token so far
     draft_seconds = 0.0
     for m, (gain, j, i) in enumerate(gains, start=1):

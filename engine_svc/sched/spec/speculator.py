@@ -53,6 +53,10 @@ RATIO_WEIGHT = 0.1
 # tries again (after about a hundred steps) rather than never learning that it would pay.
 RATIO_FORGET = 0.01
 MIN_COST_FACTOR, MAX_COST_FACTOR = 0.8, 4.0
+# A draft model's drafts are taken only where they promise this much more output per
+# second than the step without: its costs (passes, catch-up) are estimates of more parts
+# than prompt lookup's, and a draw that promises a few percent is as likely a loss.
+DRAFT_MODEL_MIN_GAIN = 1.1
 
 # (rows, seconds) measurements of the given row counts (the runner's calibration).
 Timer = Callable[[list[int]], list[tuple[int, float]]]
@@ -171,6 +175,7 @@ class Speculator:
             step_seconds=self.step_costs.seconds,
             draft_pass_seconds=self.draft_costs.seconds if self.uses_draft_model else None,
             cost_factor=self.cost_factor,
+            min_gain=DRAFT_MODEL_MIN_GAIN if self.uses_draft_model else 1.0,
         )
         if plan.counts:
             # The step pays each catch-up whole, not the share the rule weighed.
