@@ -149,6 +149,8 @@ def test_a_draft_models_catch_up_is_priced_and_followed():
     spec.draft_costs.observe_all({1: 0.002, 64: 0.02, 2048: 0.6}.items())  # a draft 10x cheaper
     every = [MODEL_DRAFT] * 4
     assert spec.plan([decoding("a", list(range(1, 12)))], 4000) == {"a": every}  # 10 behind: cheap
+    for _ in range(6):
+        spec.record("a", 4, 4)  # its drafts are all accepted
     # 1998 positions behind (0.58 s of draft): worth it over a long answer, not for 1 token.
     assert spec.plan([decoding("a", list(range(1, 2000)), max_tokens=2000)], 4000) == {"a": every}
     assert spec.plan([decoding("a", list(range(1, 2000)), max_tokens=2)], 4000) == {}
