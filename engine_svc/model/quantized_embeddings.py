@@ -20,6 +20,7 @@ weight dequantized: both compute the same values, in another order of summation)
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import nn
@@ -30,11 +31,14 @@ from engine_svc.model.native.quant import QuantizedWeight, take_rows
 
 logger = logging.getLogger(__name__)
 
-# The most rows a step's logits take from the quantized head, where the two cross. SmolLM2's
-# head (49,152 x 576) on the Zen 5 of benchmarks/README.md, two threads, ms: 1 row 1.47
-# quantized (Q8_0) against 1.98 float32 (its 113 MB at 57 GB/s, near the machine's 65),
-# 2 rows 2.36 against 2.12, 4 rows 3.10 against 2.51.
+# The most rows a step's logits take from the quantized head where the two cross, by
+# machine, so it is timed at load (``SplitHead.choose_narrow_rows``): SmolLM2's head
+# (49,152 x 576), two threads, ms, quantized (Q8_0) against float32: on a Zen 5 1 row 1.47
+# against 1.98 (its 113 MB at 57 GB/s, near the machine's 65), 2 rows 2.36 against 2.12;
+# on an Intel Xeon with AVX512 (family 6 model 167) 1 row 0.61 against 2.03, 5 rows 1.18
+# against 2.14, 16 rows 2.90 against 2.91. NARROW_ROWS is the answer without a timing.
 NARROW_ROWS = 1
+NARROW_CANDIDATES = (2, 4, 8, 16)  # row counts tried at load, in turn, while the quantized head wins
 
 
 class QuantizedEmbedding(nn.Module):
@@ -53,11 +57,38 @@ class SplitHead(nn.Module):
         self.kernels = kernels
         self.weight_p = kernels.qpack(weight)  # the kernel's panels (native/quant_pack.py)
         self.wide = wide
+        self.narrow_rows = NARROW_ROWS
+
+    def choose_narrow_rows(self, dtype: torch.dtype, repeats: int = 5) -> int:
+        """Time both heads (median of ``repeats``, rows of ``dtype``) at ``NARROW_CANDIDATES`` rows, in turn,
+        and keep the quantized one up to the largest count where it is no slower (a few
+        tens of milliseconds at load). Both give the same values up to the order of
+        summation, so the choice moves speed only."""
+
+        def median_ms(fn, x: torch.Tensor) -> float:
+            fn(x)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn(x)
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+
+        with torch.inference_mode():
+            for rows in NARROW_CANDIDATES:
+                x = torch.randn(rows, self.weight_p.in_features).to(dtype)
+                if median_ms(self._narrow, x) > median_ms(self.wide, x):
+                    break
+                self.narrow_rows = rows
+        return self.narrow_rows
+
+    def _narrow(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > NARROW_ROWS:
+        if x.shape[0] > self.narrow_rows:
             return self.wide(x)
-        return self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_p)
+        return self._narrow(x)
 
 
 def install_quantized_embeddings(
@@ -68,11 +99,14 @@ def install_quantized_embeddings(
         w = weights["embed_tokens"]
         assert tuple(model.embed_tokens.weight.shape) == (w.out_features, w.in_features)
         model.add_module("embed_tokens", QuantizedEmbedding(w, dtype))  # a module of another type
+    narrow_rows = 0
     if "lm_head" in weights:
-        model.add_module("lm_head", SplitHead(kernels, weights["lm_head"], model.lm_head))
+        head = SplitHead(kernels, weights["lm_head"], model.lm_head)
+        model.add_module("lm_head", head)
+        narrow_rows = head.choose_narrow_rows(dtype)
     logger.info(
         "GGUF blocks kept for %s (%.1f MiB); the LM head takes them for steps of up to %d rows",
         " and ".join(sorted(weights)),
         sum(w.nbytes for w in {id(w): w for w in weights.values()}.values()) / 2**20,
-        NARROW_ROWS,
+        narrow_rows,
     )

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.quant import quantize_int4, quantize_int8
 from engine_svc.model.native_layers import NativeLinear
-from engine_svc.model.quantized_embeddings import NARROW_ROWS, QuantizedEmbedding, SplitHead
+from engine_svc.model.quantized_embeddings import NARROW_CANDIDATES, NARROW_ROWS, QuantizedEmbedding, SplitHead
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -47,3 +47,18 @@ def test_the_head_takes_the_quantized_blocks_for_narrow_steps_only():
         if rows == 1:
             assert not torch.equal(quantized, packed)
         assert torch.equal(got, quantized if rows <= NARROW_ROWS else packed), rows
+
+
+def test_the_heads_crossover_is_timed_and_followed():
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("the native kernels do not load here")
+    torch.manual_seed(2)
+    qw = quantize_int8(torch.randn(4096, 96) * 0.1)
+    wide = NativeLinear(kernels, kernels.pack(qw.dequantize(), None, torch.float32))
+    head = SplitHead(kernels, qw, wide)
+    assert head.choose_narrow_rows(torch.float32) in (NARROW_ROWS, *NARROW_CANDIDATES)
+    head.narrow_rows = 4
+    for rows, quantized in ((4, True), (5, False)):
+        x = torch.randn(rows, 96)
+        assert torch.equal(head(x), kernels.qgemm(x, head.weight_p) if quantized else wide(x)), rows
