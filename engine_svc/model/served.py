@@ -8,6 +8,7 @@ here.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -56,6 +57,18 @@ def load_served_model(
     )
     close_gguf()  # every weight is copied out of the file by now
     return model, args, backend
+
+
+def return_freed_heap() -> None:
+    """Give the C heap's free pages back to the system: loading and warming up leave tens
+    of MiB of freed buffers there (reading, dequantizing, packing), which glibc keeps
+    resident (SmolLM2-135M's Q4_1 file: 92 MiB less RSS after start-up). Nothing where
+    the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _prequantized(
