@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from engine_svc.model.decode_stack import install_decode_stack
+from engine_svc.model.decode_stack import build_decode_stack
 from engine_svc.model.llama import Transformer
 from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
 from engine_svc.model.native.quant import QuantizedWeight
@@ -152,7 +152,7 @@ def install_backend(
     if quantized_embeddings and kernels is not None:
         install_quantized_embeddings(model, kernels, quantized_embeddings, dtype)
     if kernels is not None and device.type == "cpu":
-        install_decode_stack(model, kernels)
+        model.decode_stack = build_decode_stack(model, kernels)
     backend = ModelBackend(
         kernels=kernels,
         matmuls=_QUANTIZED.get(

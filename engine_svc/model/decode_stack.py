@@ -1,7 +1,8 @@
 """A decode-only step's decoder layers in one native call (native/stack.c).
 
-    install_decode_stack(model, kernels)     at load, after the native layers: sets
-                                             ``model.decode_stack`` where the model qualifies
+    build_decode_stack(model, kernels)       at load, after the native layers (backend.py):
+                                             ``model.decode_stack``, None where the model
+                                             does not qualify
     Transformer.forward                      a step of decode rows only goes through it
 
 A decode step at small batch is a few milliseconds of arithmetic split into some 300 calls
@@ -29,14 +30,13 @@ from engine_svc.model.attention.native import NativeDecode
 from engine_svc.model.layers import MLP, Attention
 from engine_svc.model.llama import DecoderLayer, Transformer
 from engine_svc.model.native import NativeKernels
-from engine_svc.model.native.kernels import EPILOGUE_NONE, EPILOGUE_SILU_MUL, KernelError
+from engine_svc.model.native.kernels import EPILOGUE_NONE, EPILOGUE_SILU_MUL, SCALE_CODES, KernelError
 from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
 from engine_svc.model.quantized_layers import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SCALE_CODES = {torch.float32: 0, torch.float16: 2}
 
 
 class _Linear(ctypes.Structure):
@@ -65,7 +65,7 @@ def _linear(module: torch.nn.Module) -> _Linear | None:
         w = module.weight_p
         qs, scale, minimum, bias = w.pointers
         return _Linear(
-            1, w.bits, qs, scale, minimum, _SCALE_CODES[w.scale.dtype], w.group, bias, w.out_features, w.in_features,
+            1, w.bits, qs, scale, minimum, SCALE_CODES[w.scale.dtype], w.group, bias, w.out_features, w.in_features,
             EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
         )  # fmt: skip
     if type(module) is NativeLinear and module.packed.panels.dtype == torch.float32:
@@ -183,10 +183,3 @@ def build_decode_stack(model: Transformer, kernels: NativeKernels) -> DecodeStac
         model.rotary.cos_sin.shape[0], eps.pop(), scales.pop(),
     )  # fmt: skip
     return DecodeStack(model, kernels, layers, shape)
-
-
-def install_decode_stack(model: Transformer, kernels: NativeKernels) -> bool:
-    """Set ``model.decode_stack`` where the model qualifies; returns whether it did."""
-    stack = build_decode_stack(model, kernels)
-    model.decode_stack = stack
-    return stack is not None

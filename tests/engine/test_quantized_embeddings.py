@@ -28,10 +28,15 @@ def test_lookups_are_the_dequantized_rows(quantize):
     assert torch.equal(QuantizedEmbedding(qw, torch.bfloat16)(ids), qw.dequantize()[ids].bfloat16())
 
 
-def test_the_head_takes_the_quantized_blocks_for_narrow_steps_only():
+@pytest.fixture
+def kernels():
     kernels = load_kernels()
     if kernels is None:
         pytest.skip("the native kernels do not load here")
+    return kernels
+
+
+def test_the_head_takes_the_quantized_blocks_for_narrow_steps_only(kernels):
     torch.manual_seed(1)
     qw = quantize_int8(torch.randn(1000, 96) * 0.1)
     ref = qw.dequantize()
@@ -49,10 +54,7 @@ def test_the_head_takes_the_quantized_blocks_for_narrow_steps_only():
         assert torch.equal(got, quantized if rows <= NARROW_ROWS else packed), rows
 
 
-def test_the_heads_crossover_is_timed_and_followed():
-    kernels = load_kernels()
-    if kernels is None:
-        pytest.skip("the native kernels do not load here")
+def test_the_heads_crossover_is_timed_and_followed(kernels):
     torch.manual_seed(2)
     qw = quantize_int8(torch.randn(4096, 96) * 0.1)
     wide = NativeLinear(kernels, kernels.pack(qw.dequantize(), None, torch.float32))

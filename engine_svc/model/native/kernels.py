@@ -19,7 +19,7 @@ from engine_svc.model.native.quant_pack import PackedQuantWeight, pack_panels
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
-_SCALE_CODES = {torch.float32: 0, torch.float16: 2}  # a quantized weight's scales (quant.c)
+SCALE_CODES = {torch.float32: 0, torch.float16: 2}  # a quantized weight's scales (quant.c)
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
@@ -241,7 +241,7 @@ class NativeKernels:
         xf = x if x.dtype == torch.float32 else x.float()  # the kernel reads float32 rows
         qs, scale, minimum, bias = w.pointers
         rc = self._fast["tk_qgemm"](
-            _P(xf.data_ptr()), _L(xf.stride(0)), w.bits, qs, scale, minimum, _SCALE_CODES[w.scale.dtype], w.group,
+            _P(xf.data_ptr()), _L(xf.stride(0)), w.bits, qs, scale, minimum, SCALE_CODES[w.scale.dtype], w.group,
             bias, _P(out.data_ptr()), _L(out.stride(0)), _code(out), _int32(m), n, w.in_features,
             EPILOGUE_SILU_MUL if w.silu_mul and not raw else EPILOGUE_NONE, torch.get_num_threads(),
         )  # fmt: skip

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -44,32 +45,9 @@ class DraftPlan:
     seconds: float  # the step's expected cost with them, before ``cost_factor``
 
 
-def plan_drafts(
-    offers: list[Offer],
-    *,
-    num_rows: int,
-    num_outputs: int,
-    max_drafts: int | None = None,
-    step_seconds: Callable[[int], float],
-    draft_pass_seconds: Callable[[int], float] | None = None,
-    cost_factor: float = 1.0,
-    min_gain: float = 1.0,
-) -> dict[str, int]:
-    """Draft tokens per request id (absent: none) for a step of ``num_rows`` rows without
-    drafts, ``num_outputs`` of them yielding a token, at most ``max_drafts`` in all (the
-    budget left); a step with drafts is taken to cost ``cost_factor`` times what the
-    costs say, and drafts are taken only where they promise ``min_gain`` times the
-    output rate of the step without. See the module docstring."""
-    return choose_drafts(
-        offers,
-        num_rows=num_rows,
-        num_outputs=num_outputs,
-        max_drafts=max_drafts,
-        step_seconds=step_seconds,
-        draft_pass_seconds=draft_pass_seconds,
-        cost_factor=cost_factor,
-        min_gain=min_gain,
-    ).counts
+def plan_drafts(offers: list[Offer], **kwargs: Any) -> dict[str, int]:
+    """Draft tokens per request id (absent: none): ``choose_drafts``' counts alone."""
+    return choose_drafts(offers, **kwargs).counts
 
 
 def choose_drafts(
@@ -83,7 +61,11 @@ def choose_drafts(
     cost_factor: float = 1.0,
     min_gain: float = 1.0,
 ) -> DraftPlan:
-    """``plan_drafts`` with the expected cost of the step it chose."""
+    """Draft tokens per request id for a step of ``num_rows`` rows without drafts,
+    ``num_outputs`` of them yielding a token, at most ``max_drafts`` in all (the budget
+    left), and the step's expected cost with them. A step with drafts is taken to cost
+    ``cost_factor`` times what the costs say, and drafts are taken only where they promise
+    ``min_gain`` times the output rate of the step without. See the module docstring."""
     gains = sorted(
         ((o.acceptance**j, j, i) for i, o in enumerate(offers) for j in range(1, o.num_tokens + 1)),
         key=lambda g: (-g[0], g[1], g[2]),

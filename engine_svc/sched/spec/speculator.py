@@ -168,7 +168,10 @@ class Speculator:
     ) -> dict[str, int]:
         pool = self._pool.rate(0.0, 0.0)
         rates = {r.request_id: self._state(r).acceptance.rate(pool, PRIOR_WEIGHT) for r, _ in offers}
-        shares = {r.request_id: self._catch_up_seconds(r, rates[r.request_id], n) for r, n in offers}
+        catch_ups = {r.request_id: self._catch_up_seconds(r) for r, _ in offers}
+        shares = {
+            r.request_id: catch_ups[r.request_id] / self._catch_up_steps(r, rates[r.request_id], n) for r, n in offers
+        }
         plan = choose_drafts(
             [Offer(r.request_id, rates[r.request_id], n, shares[r.request_id]) for r, n in offers if n > 0],
             num_rows=num_rows,
@@ -179,35 +182,32 @@ class Speculator:
             cost_factor=self.cost_factor,
             min_gain=DRAFT_MODEL_MIN_GAIN if self.uses_draft_model else 1.0,
         )
-        if plan.counts:
-            # The step pays each catch-up whole, not the share the rule weighed.
-            by_id = {r.request_id: r for r, _ in offers}
-            catch_up = sum(self._catch_up_seconds(by_id[i], 0.0, 0, spread=False) - shares[i] for i in plan.counts)
-            self._expected = plan.seconds + catch_up
-        else:
-            self._expected = None
+        # The step pays each catch-up whole, not the share the rule weighed.
+        catch_up = sum(catch_ups[i] - shares[i] for i in plan.counts)
+        self._expected = plan.seconds + catch_up if plan.counts else None
         return plan.counts
 
-    def _catch_up_seconds(self, request: Request, acceptance: float, num_drafts: int, *, spread: bool = True) -> float:
-        """This step's share of the draft model's catch-up for ``request``: its first pass
-        computes every position its cache lacks besides the last token's, which costs
-        ``Tdraft(1 + lag) - Tdraft(1)`` once, spread over the steps the request is expected
-        to draft in (its tokens left over the tokens a step yields, at most
-        ``CATCH_UP_HORIZON``). Nothing for prompt lookup."""
+    def _catch_up_seconds(self, request: Request) -> float:
+        """What the draft model's catch-up for ``request`` costs: its first pass computes
+        every position its cache lacks besides the last token's, ``Tdraft(1 + lag) -
+        Tdraft(1)``. Nothing for prompt lookup."""
         if not self.uses_draft_model:
             return 0.0
         lag = request.num_tokens - 1 - self._state(request).draft_computed
         if lag <= 0:
             return 0.0
-        seconds = max(self.draft_costs.seconds(1 + lag) - self.draft_costs.seconds(1), 0.0)
-        if not spread:
-            return seconds
+        return max(self.draft_costs.seconds(1 + lag) - self.draft_costs.seconds(1), 0.0)
+
+    def _catch_up_steps(self, request: Request, acceptance: float, num_drafts: int) -> float:
+        """The steps a catch-up is spread over: those the request is expected to draft in
+        (its tokens left over the tokens a step yields), at least 1, at most
+        ``CATCH_UP_HORIZON``."""
         tokens_left = min(
             request.sampling_params.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
         )
         per_step = sum(acceptance**j for j in range(num_drafts + 1))
-        return seconds / min(max(tokens_left / per_step, 1.0), CATCH_UP_HORIZON)
+        return min(max(tokens_left / per_step, 1.0), CATCH_UP_HORIZON)
 
     def _max_drafts(self, request: Request) -> int:
         return min(
