@@ -273,11 +273,16 @@ def test_capacity_runs_each_setting_and_fills_every_figure(tmp_path, capsys):
         + ["--json", str(out), "--plot", str(tmp_path / "capacity.png")]
     )
     report = json.loads(out.read_text())
+    frontend_cpu = []
     for setting in ("default", "interval1"):
         for calls in ("1", "64"):
             (point,) = report["points"][setting][calls]
             assert point["tok_per_s"] > 0 and point["tokens_per_message"] >= 1 and point["errors"] == []
-            assert point["frontend_cpu_us_per_token"] > 0 and not _holes(point)
+            assert point["frontend_cpu_us_per_token"] >= 0 and not _holes(point)
+            frontend_cpu.append(point["frontend_cpu_us_per_token"])
+    # CPU time comes from /proc in ticks of 10 ms: one 0.3 s window of a lightly loaded
+    # frontend may see none, the four windows together do.
+    assert sum(frontend_cpu) > 0
     assert set(report["ratios"]) == {"64", "1"}
     assert (tmp_path / "capacity.png").stat().st_size > 0
     assert "capacity tok/s" in capsys.readouterr().out
