@@ -234,8 +234,10 @@ class EngineMetrics(RequestListener):
         self.e2e.observe(timeline.e2e_s)
         self.request_prompt.observe(timeline.request.num_prompt_tokens)
         self.request_generation.observe(timeline.request.num_output_tokens)
+        # Only requests an adapter served: one refused for naming no loaded adapter would
+        # otherwise mint a label per name a client makes up.
         adapter = timeline.request.lora_name
-        if adapter is not None:
+        if adapter is not None and timeline.request.lora_slot is not None:
             self.lora_requests.labels(adapter).inc()
             self.lora_prompt_tokens.labels(adapter).inc(timeline.request.num_prompt_tokens)
             self.lora_generation_tokens.labels(adapter).inc(timeline.request.num_output_tokens)
