@@ -129,7 +129,7 @@ def install_backend(
     ``prequantized`` are quantized weights read as they are, for the layers they name, from
     ``prequantized_source`` (a GGUF file's blocks; a GPTQ, AWQ or compressed-tensors
     checkpoint's integers); ``quantized_embeddings`` a GGUF file's embedding and LM head
-    blocks (quantized_embeddings.py), beside the float head that wide steps keep."""
+    blocks (quantized_embeddings.py), with the float head kept for wide steps where that pays."""
     if quantization is not None and kernels is None:
         raise ValueError(
             f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
@@ -150,7 +150,7 @@ def install_backend(
     elif matmuls == "onednn":
         num_packed = pack_linears(model, batch_size_hint)
     if quantized_embeddings and kernels is not None:
-        install_quantized_embeddings(model, kernels, quantized_embeddings, dtype)
+        install_quantized_embeddings(model, kernels, quantized_embeddings, dtype, batch_size_hint)
     if kernels is not None and device.type == "cpu":
         model.decode_stack = build_decode_stack(model, kernels)
     backend = ModelBackend(

@@ -1,20 +1,24 @@
 """The embedding and the LM head on a GGUF file's quantized blocks, where the file has them so.
 
-    install_quantized_embeddings(model, kernels, weights, dtype)
+    install_quantized_embeddings(model, kernels, weights, dtype, widest_rows)
         weights: {"embed_tokens": QuantizedWeight, "lm_head": QuantizedWeight}, either or
         both (gguf_quantized.read_quantized_embeddings); one object for both when tied
 
     nn.Embedding -> QuantizedEmbedding   the rows looked up, dequantized: the same values
-                                         as the float table, without holding it
-    LM head      -> SplitHead            a step of at most NARROW_ROWS rows (one) on the
-                                         quantized GEMM, wider steps on the float head
+                                         as the float table, without holding it; a tied
+                                         head's rows are read from the head's own panels
+    LM head      -> QuantizedHead        the quantized GEMM for every step, or for steps
+                                         up to a crossover with the float head kept beside
+                                         it for wider ones, where that pays (timed at load)
 
 A decode step at small batch reads every weight once, so its time follows their bytes, and
 the head is the largest single weight of a small model: SmolLM2-135M's is 113 MB in
 float32 against 30 MB as the file's Q8_0 blocks. The quantized GEMM dequantizes in
-registers, which costs compute that a wide step has to spend on every row: there the
-float head's packed GEMM is faster, so it stays for those (the float head is the same
-weight dequantized: both compute the same values, in another order of summation).
+registers, which costs compute that a wide step spends on every row, so where the float
+head is much faster on wide steps (a bfloat16 head on AMX, or a CPU where the dequantizing
+costs more) it is kept for them; where it is not, holding it would only triple the head's
+memory, so it is dropped and the resident weights are about the file's bytes. Both heads
+compute the same values, in another order of summation.
 """
 
 from __future__ import annotations
@@ -27,43 +31,55 @@ from torch import nn
 
 from engine_svc.model.llama import Transformer
 from engine_svc.model.native import NativeKernels
-from engine_svc.model.native.quant import QuantizedWeight, take_rows
+from engine_svc.model.native.quant import QuantizedWeight
+from engine_svc.model.native.quant_pack import PackedQuantWeight
 
 logger = logging.getLogger(__name__)
 
-# The most rows a step's logits take from the quantized head where the two cross, by
-# machine, so it is timed at load (``SplitHead.choose_narrow_rows``): SmolLM2's head
-# (49,152 x 576), two threads, ms, quantized (Q8_0) against float32: on a Zen 5 1 row 1.47
-# against 1.98 (its 113 MB at 57 GB/s, near the machine's 65), 2 rows 2.36 against 2.12;
-# on an Intel Xeon with AVX512 (family 6 model 167) 1 row 0.61 against 2.03, 5 rows 1.18
-# against 2.14, 16 rows 2.90 against 2.91. NARROW_ROWS is the answer without a timing.
+# The most rows a step's logits take from the quantized head while a float head is kept,
+# without a timing. SmolLM2's head (49,152 x 576), two threads, ms, quantized (Q8_0)
+# against the float head: on a Zen 5 (float32) 1 row 1.47 against 1.98, 2 rows 2.36
+# against 2.12; on an Intel Xeon with AVX512 and AMX (family 6 model 167), float32,
+# 1 row 0.74 against 2.49, 16 rows 3.9 against 6.0, 64 rows 14.0 against 15.8, 128 rows
+# 27.0 against 29.3, 256 rows 70 against 66; the same Xeon in bfloat16 (its float head on
+# AMX through oneDNN) 4 rows 1.37 against 1.26, 64 rows 13.3 against 3.0.
 NARROW_ROWS = 1
-NARROW_CANDIDATES = (2, 4, 8, 16)  # row counts tried at load, in turn, while the quantized head wins
+# The float head is kept only if it is this much faster at some step width up to the
+# widest; within it, a few percent on the widest steps do not pay for the float head's
+# memory (3.7 times the Q8_0 blocks' in float32).
+WIDE_HEAD_GAIN = 1.1
+MOST_ROWS_TIMED = 256
 
 
 class QuantizedEmbedding(nn.Module):
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedWeight | PackedQuantWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight_q = weight  # not a Parameter: no state_dict entry
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return take_rows(self.weight_q, ids.reshape(-1)).dequantize().to(self.dtype).view(*ids.shape, -1)
+        return self.weight_q.dequantize_rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
 
-class SplitHead(nn.Module):
-    def __init__(self, kernels: NativeKernels, weight: QuantizedWeight, wide: nn.Module) -> None:
+class QuantizedHead(nn.Module):
+    """Steps of up to ``narrow_rows`` rows on the quantized panels, wider ones on ``wide``;
+    every step on the panels once ``wide`` is None."""
+
+    def __init__(self, kernels: NativeKernels, weight: QuantizedWeight, wide: nn.Module | None) -> None:
         super().__init__()
         self.kernels = kernels
         self.weight_p = kernels.qpack(weight)  # the kernel's panels (native/quant_pack.py)
         self.wide = wide
         self.narrow_rows = NARROW_ROWS
 
-    def choose_narrow_rows(self, dtype: torch.dtype, repeats: int = 5) -> int:
-        """Time both heads (median of ``repeats``, rows of ``dtype``) at ``NARROW_CANDIDATES`` rows, in turn,
-        and keep the quantized one up to the largest count where it is no slower (a few
-        tens of milliseconds at load). Both give the same values up to the order of
-        summation, so the choice moves speed only."""
+    def settle(self, dtype: torch.dtype, widest_rows: int, repeats: int = 3) -> str:
+        """Time both heads (median of ``repeats``, rows of ``dtype``) at 2, 4, 8 ... rows up to
+        ``widest_rows`` (the widest step's logits; at most MOST_ROWS_TIMED): keep the
+        quantized head up to the largest count where it is no slower, and drop the float
+        head unless it is WIDE_HEAD_GAIN times faster somewhere. Both give the same values
+        up to the order of summation, so this moves speed and memory only. Says what it chose."""
+        if self.wide is None:
+            return "every step on the quantized blocks"
 
         def median_ms(fn, x: torch.Tensor) -> float:
             fn(x)
@@ -72,41 +88,60 @@ class SplitHead(nn.Module):
                 t0 = time.perf_counter()
                 fn(x)
                 times.append(time.perf_counter() - t0)
-            return sorted(times)[len(times) // 2]
+            return sorted(times)[len(times) // 2] * 1e3
 
+        crossed, rows = False, 2
         with torch.inference_mode():
-            for rows in NARROW_CANDIDATES:
+            while rows <= max(2, min(widest_rows, MOST_ROWS_TIMED)):
                 x = torch.randn(rows, self.weight_p.in_features).to(dtype)
-                if median_ms(self._narrow, x) > median_ms(self.wide, x):
-                    break
-                self.narrow_rows = rows
-        return self.narrow_rows
+                quantized, wide = median_ms(self._narrow, x), median_ms(self.wide, x)
+                crossed = crossed or quantized > wide
+                if not crossed:
+                    self.narrow_rows = rows
+                if quantized > WIDE_HEAD_GAIN * wide:
+                    return (
+                        f"steps of up to {self.narrow_rows} rows on the quantized blocks, wider ones on the float head "
+                        f"({rows} rows: {wide:.2f} ms against {quantized:.2f})"
+                    )
+                rows *= 2
+        self.wide = None  # freed: nothing else holds the float head
+        return f"every step on the quantized blocks (the float head, no more than {WIDE_HEAD_GAIN}x faster, dropped)"
 
     def _narrow(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.narrow_rows:
+        if self.wide is not None and x.shape[0] > self.narrow_rows:
             return self.wide(x)
         return self._narrow(x)
 
 
 def install_quantized_embeddings(
-    model: Transformer, kernels: NativeKernels, weights: dict[str, QuantizedWeight], dtype: torch.dtype
+    model: Transformer,
+    kernels: NativeKernels,
+    weights: dict[str, QuantizedWeight],
+    dtype: torch.dtype,
+    widest_rows: int,
 ) -> None:
-    """Swap in place; call after the LM head is on its backend (the wide path)."""
+    """Swap in place; call after the LM head is on its backend (the float head for wide
+    steps). ``widest_rows``: the most rows a step takes logits for, as far as is known."""
+    head = None
+    if "lm_head" in weights:
+        head = QuantizedHead(kernels, weights["lm_head"], model.lm_head)
+        model.add_module("lm_head", head)  # a module of another type
     if "embed_tokens" in weights:
         w = weights["embed_tokens"]
         assert tuple(model.embed_tokens.weight.shape) == (w.out_features, w.in_features)
-        model.add_module("embed_tokens", QuantizedEmbedding(w, dtype))  # a module of another type
-    narrow_rows = 0
-    if "lm_head" in weights:
-        head = SplitHead(kernels, weights["lm_head"], model.lm_head)
-        model.add_module("lm_head", head)
-        narrow_rows = head.choose_narrow_rows(dtype)
+        # Tied: the rows come from the head's panels, so the blocks are held once.
+        table = head.weight_p if head is not None and weights.get("lm_head") is w else w
+        model.add_module("embed_tokens", QuantizedEmbedding(table, dtype))
+    head_plan = head.settle(dtype, widest_rows) if head is not None else "no LM head blocks"
+    held = {id(m.weight_q): m.weight_q for m in (model.embed_tokens,) if isinstance(m, QuantizedEmbedding)}
+    if head is not None:
+        held[id(head.weight_p)] = head.weight_p
     logger.info(
-        "GGUF blocks kept for %s (%.1f MiB); the LM head takes them for steps of up to %d rows",
+        "GGUF blocks kept for %s (%.1f MiB); LM head: %s",
         " and ".join(sorted(weights)),
-        sum(w.nbytes for w in {id(w): w for w in weights.values()}.values()) / 2**20,
-        narrow_rows,
+        sum(w.nbytes for w in held.values()) / 2**20,
+        head_plan,
     )

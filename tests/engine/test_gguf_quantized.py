@@ -23,7 +23,7 @@ from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quan
 from engine_svc.model.gguf_weights import read_gguf_tensors
 from engine_svc.model.llama import ModelArgs
 from engine_svc.model.loader import build_model
-from engine_svc.model.quantized_embeddings import QuantizedEmbedding, SplitHead
+from engine_svc.model.quantized_embeddings import QuantizedEmbedding, QuantizedHead
 from engine_svc.model.quantized_layers import QuantizedLinear
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import _assert_same_or_near_tie, _prompts
@@ -112,7 +112,7 @@ def test_the_engine_serves_the_blocks_and_matches_transformers_on_them(checkpoin
     assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
     assert sum(isinstance(m, QuantizedLinear) for m in core.runner.model.modules()) == 8
     model = core.runner.model
-    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, SplitHead)
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedHead)
     assert core.runner.threads is not None  # no kernel splits a sum: threads are chosen by timing steps
     prompts = _prompts(5)[::3]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -108,6 +108,9 @@ def test_the_engine_reads_the_gguf_metadata(engine, smollm2_gguf):
     args = engine.runner.model_args
     assert (args.num_layers, args.hidden_size, args.num_heads, args.num_kv_heads) == (30, 576, 9, 3)
     assert args.tie_word_embeddings and args.rope_theta == 100000.0
+    # Tied in the file, held once: the embedding reads its rows from the head's panels.
+    model = engine.runner.model
+    assert model.embed_tokens.weight_q is model.lm_head.weight_p
 
 
 def test_the_served_tokenizer_round_trips_the_gguf_vocabulary(smollm2_gguf, hf):

@@ -77,6 +77,10 @@ class QuantizedWeight:
             w = w + self.min.unsqueeze(2)
         return w.reshape(n, k)
 
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of ``dequantize()``, the others left alone (an embedding lookup)."""
+        return take_rows(self, index).dequantize()
+
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """uint8 values 0..15 [N, K] -> [N, K/2] in GGUF's order within each group of 32."""

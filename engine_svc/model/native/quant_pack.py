@@ -2,6 +2,8 @@
 
     pack_panels(w, panel_width, bias=None, silu_mul=False) -> PackedQuantWeight
     packed.dequantize() -> float32 [rows, K] in the weight's own row order
+    packed.dequantize_rows(index) -> float32 [len(index), K]: those rows alone (an
+                                     embedding lookup on a tied LM head's panels)
 
 The kernel reads a weight the way the packed float GEMM reads its panels (gemm.c): panel p
 holds output columns p*NR .. p*NR+NR-1 (NR = ``panel_width``, two vector registers; zeros
@@ -76,6 +78,24 @@ class PackedQuantWeight:
             w = w + self.min.float().permute(0, 2, 1).unsqueeze(3)
         slots = _slots(self.rows, nr, self.silu_mul)
         return w.reshape(p * nr, k)[slots >= 0][torch.argsort(slots[slots >= 0])]
+
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of ``dequantize()``, read from their panels alone: the same values,
+        computed by the same operations, so an embedding looked up here equals one looked up
+        in the weight's blocks bit for bit."""
+        if self.silu_mul:
+            raise ValueError("rows are read from a weight packed without silu_mul")
+        nr, k = self.panel_width, self.in_features
+        panel, col = index // nr, index % nr
+        if self.bits == 4:
+            b = self.qs[panel, :, col]  # [n, K/2]
+            q = torch.stack([b & 15, b >> 4], dim=2).reshape(-1, k).float()
+        else:
+            q = self.qs[panel, :, col].float()
+        w = q.view(-1, k // self.group, self.group) * self.scale[panel, :, col].float().unsqueeze(2)
+        if self.min is not None:
+            w = w + self.min[panel, :, col].float().unsqueeze(2)
+        return w.reshape(-1, k)
 
     @property
     def rows(self) -> int:
