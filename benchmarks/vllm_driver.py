@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--dtype", required=True)
     p.add_argument("--max-requests", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's own")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -52,6 +53,7 @@ def main() -> None:
         enable_prefix_caching=True,
         enforce_eager=True,
         seed=0,
+        **({} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}),
     )
     startup_s = time.perf_counter() - t0
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False)

@@ -134,6 +134,8 @@ def run_vllm(args, workload_path: str, num_requests: int) -> dict:
         out = Path(tmp) / "vllm.json"
         cmd = [args.python, str(DRIVER), "--model", args.model, "--workload", workload_path, "--dtype", args.dtype,
                "--max-requests", str(num_requests), "--out", str(out)]  # fmt: skip
+        if args.vllm_max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(args.vllm_max_num_seqs)]
         env = vllm_env(args.python, args.vllm_env)
         t0 = time.perf_counter()
         with LoadSampler() as load_avg:
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=0, help="the first N requests only, on both sides (0 = all)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--vllm-max-num-seqs", type=int, default=None,
+                   help="vLLM's max_num_seqs (default: its own, 256); 1 runs the requests one at a time")  # fmt: skip
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="extra environment for vLLM")
     p.add_argument("--vllm-timeout", type=float, default=3600)
     p.add_argument("--skip-vllm", action="store_true", help="Tandem only (no ratio)")
