@@ -2,6 +2,7 @@
 
     python -m benchmarks.gguf_to_hf SRC.gguf OUT_DIR [--dtype float32]
     python -m benchmarks.gguf_to_hf --demo OUT_DIR        # the SmolLM2-135M-Instruct demo GGUF
+    python -m benchmarks.gguf_to_hf --demo OUT_DIR --w8a8 # its linear layers as W8A8 (below)
 
 ``benchmarks.vs_vllm`` compares engines on one checkpoint; vLLM's CPU build does not load
 the demo's Q4_1 GGUF, so this writes the same weights, dequantized, where both engines read
@@ -13,6 +14,12 @@ blocks dequantized with gguf's reference code) into one ``model.safetensors``. T
 embeddings stay tied (no ``lm_head.weight``). Dequantized Q4_1 values are exact in float32,
 so a float32 directory holds the GGUF's weights bit for bit; the engines cast them to
 bfloat16 themselves when asked to serve that.
+
+``--w8a8`` writes the linear layers (not the embedding and LM head) as compressed-tensors
+W8A8, the int8 scheme vLLM's CPU build runs: int8 weights with one float32 scale per
+output row (symmetric, round to nearest), int8 activations quantized per token at run
+time (format ``int-quantized``). Tandem refuses that scheme at start (weight-only only);
+it is for measuring vLLM's int8 path on the same weights.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from engine_svc.model.args import ModelArgs
 from engine_svc.model.gguf_checkpoint import SOURCE_FILE, prepare_gguf_dir
@@ -50,12 +57,44 @@ def write_hf_dir(gguf_path: Path, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
+W8A8_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+        }
+    },
+    "ignore": ["lm_head"],
+}
+
+
+def to_w8a8(out: Path) -> Path:
+    """A directory ``write_hf_dir`` wrote, its ``*_proj.weight`` tensors rewritten as int8
+    with per-row ``weight_scale`` and the compressed-tensors W8A8 config (module docstring)."""
+    weights = load_file(str(out / "model.safetensors"))
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        w = weights[name].float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        weights[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        weights[name.removesuffix(".weight") + ".weight_scale"] = scale
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = W8A8_CONFIG
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("src", nargs="?", help="the GGUF file (omit with --demo)")
     p.add_argument("out")
     p.add_argument("--demo", action="store_true", help="the demo's SmolLM2-135M-Instruct GGUF (fetched once)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--w8a8", action="store_true", help="linear layers as compressed-tensors W8A8 (vLLM's int8)")
     args = p.parse_args(argv)
     if args.demo == (args.src is not None):
         p.error("give a GGUF file or --demo, not both")
@@ -66,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         src = Path(args.src)
     out = write_hf_dir(src, Path(args.out), args.dtype)
+    if args.w8a8:
+        to_w8a8(out)
     print(f"{src} -> {out}")
     return 0
 

@@ -371,3 +371,23 @@ def test_gguf_to_hf_writes_the_gguf_weights_bit_for_bit(smollm2_gguf, tmp_path):
     assert set(written) == {name for name, _ in expected}
     for name, value in expected:
         assert torch.equal(written[name], value), name
+
+
+def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_is_refused_by_name(smollm2_gguf, tmp_path):
+    from safetensors.torch import load_file
+
+    from benchmarks.gguf_to_hf import to_w8a8, write_hf_dir
+    from engine_svc.model.hf_quantized import quantization_scheme
+    from engine_svc.model.native.quant_hf import UnsupportedQuantization
+
+    out = write_hf_dir(smollm2_gguf, tmp_path / "hf")
+    floats = load_file(out / "model.safetensors")
+    written = load_file(to_w8a8(out) / "model.safetensors")
+    name = "model.layers.3.mlp.down_proj.weight"
+    q, scale = written[name], written[name.replace(".weight", ".weight_scale")]
+    assert q.dtype == torch.int8 and scale.shape == (q.shape[0], 1)
+    assert q.abs().amax(dim=1).eq(127).all()  # each row's largest weight on the grid's end
+    assert (q.float() * scale - floats[name]).abs().le(scale / 2 + 1e-7).all()  # round to nearest
+    assert torch.equal(written["model.embed_tokens.weight"], floats["model.embed_tokens.weight"])
+    with pytest.raises(UnsupportedQuantization, match="activation quantization"):
+        quantization_scheme(json.loads((out / "config.json").read_text()))
