@@ -65,7 +65,13 @@ W8A8_CONFIG = {
         "group_0": {
             "targets": ["Linear"],
             "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
         }
     },
     "ignore": ["lm_head"],
