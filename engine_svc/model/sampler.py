@@ -80,12 +80,12 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(requests) if not stages.is_greedy(r.sampling_params)]
         row_proposals = [None] * len(requests) if proposals is None else proposals
         if not sampled_rows:
-            token_ids = x.argmax(dim=-1)  # [num_rows]
+            token_ids = stages.argmax_rows(x)  # [num_rows]
         elif len(sampled_rows) == len(requests):
             token_ids = self._sample_rows(x, requests, row_proposals)
         else:
             rows = self._tensor(sampled_rows)
-            token_ids = x.argmax(dim=-1)
+            token_ids = stages.argmax_rows(x)
             token_ids[rows] = self._sample_rows(
                 x[rows], [requests[i] for i in sampled_rows], [row_proposals[i] for i in sampled_rows]
             )

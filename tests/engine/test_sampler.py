@@ -418,3 +418,27 @@ def test_state_works_inside_and_outside_inference_mode():
     request.append_output_token(2)
     assert_close(sampler._process_logits(torch.zeros(1, 6), [request]), torch.tensor([[0, -1.0, -1.0, 0, 0, 0]]))
     assert sampler.sample(torch.zeros(1, 6), [request]).token_ids == [0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_is_argmax_on_ties_nan_and_sliced_rows(threads):
+    """Greedy ids come from ``max``'s reduction, faster than ``argmax``'s: the same first
+    maximum on rows full of ties, with NaN and -inf in them, on a column slice of wider
+    logits (the padded vocabulary), at any thread count."""
+    from engine_svc.model.sampler_stages import argmax_rows
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for trial in range(60):
+            rows = int(torch.randint(1, 70, (1,), generator=g))
+            x = torch.randint(0, 4, (rows, 49_200), generator=g).float()  # ties everywhere
+            if trial % 3 == 1:
+                x[:, ::7] = float("-inf")
+            if trial % 3 == 2:
+                x[rows // 2, 1000 + trial] = float("nan")
+            logits = x[:, :49_152]
+            assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), trial
+    finally:
+        torch.set_num_threads(before)

@@ -43,7 +43,7 @@ from engine_svc.model.backend import KernelBuild
 from engine_svc.model.gguf_checkpoint import resolve_model_dir
 from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block
 from engine_svc.model.sampler import Proposal, Sampler
-from engine_svc.model.sampler_stages import is_greedy
+from engine_svc.model.sampler_stages import argmax_rows, is_greedy
 from engine_svc.model.served import load_served_model
 from engine_svc.model.spec.vocab import check_same_vocabulary
 from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, ScheduledRequest
@@ -198,7 +198,7 @@ class DraftModel:
     ) -> tuple[list[int], list[Proposal | None]]:
         """A draft token per row of ``logits`` [n, vocab]: the argmax at greedy and seeded
         rows, a draw from q elsewhere (with q, widened to the target's vocabulary)."""
-        token_ids = logits.argmax(dim=-1).tolist()
+        token_ids = argmax_rows(logits).tolist()
         proposals: list[Proposal | None] = [None] * len(scheduled)
         drawn = [
             i
@@ -229,7 +229,7 @@ class DraftModel:
                 if time.perf_counter() - start > budget_s * (round_ + 1) / 2:
                     break
                 t0 = time.perf_counter()
-                self._forward([[0]] * n, [context] * n, [table] * n).argmax(dim=-1).tolist()
+                argmax_rows(self._forward([[0]] * n, [context] * n, [table] * n)).tolist()
                 seconds = time.perf_counter() - t0
                 best[n] = min(seconds, best.get(n, seconds))
         return sorted(best.items())
