@@ -111,15 +111,15 @@ __attribute__((optimize("fp-contract=off"))) int tk_rope(void *qkv, long row_str
         for (int h = 0; h < num_heads; h++) {
             const size_t base = (size_t)r * row_stride + (size_t)h * head_dim;
             int i = 0;
-            if (!bf) {
-                float *x = (float *)qkv + base;
-                for (; i + TK_VL <= half; i += TK_VL) {
-                    const vf c = vload(cs + i), s = vload(cs + half + i);
-                    const vf x1 = vload(x + i), x2 = vload(x + half + i);
-                    const vf a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s;
-                    vstore(x + i, a - b);
-                    vstore(x + half + i, d + e);
+            for (; i + TK_VL <= half; i += TK_VL) {
+                const vf c = vload(cs + i), s = vload(cs + half + i);
+                const vf x1 = vload_any(qkv, base + i, dtype), x2 = vload_any(qkv, base + half + i, dtype);
+                vf a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s;
+                if (bf) {  /* each product rounded, as the scalar tail below and torch's ops */
+                    a = vround_bf16(a), b = vround_bf16(b), d = vround_bf16(d), e = vround_bf16(e);
                 }
+                vstore_any(qkv, base + i, a - b, dtype);
+                vstore_any(qkv, base + half + i, d + e, dtype);
             }
             for (; i < half; i++) {
                 const float c = cs[i], s = cs[half + i];
