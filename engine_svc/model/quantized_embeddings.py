@@ -126,22 +126,21 @@ def install_quantized_embeddings(
     """Swap in place; call after the LM head is on its backend (the float head for wide
     steps). ``widest_rows``: the most rows a step takes logits for, as far as is known."""
     head = None
+    held: list[QuantizedWeight | PackedQuantWeight] = []  # the blocks kept, each once
     if "lm_head" in weights:
         head = QuantizedHead(kernels, weights["lm_head"], model.lm_head)
         model.add_module("lm_head", head)  # a module of another type
+        held.append(head.weight_p)
     if "embed_tokens" in weights:
         w = weights["embed_tokens"]
         assert tuple(model.embed_tokens.weight.shape) == (w.out_features, w.in_features)
+        if head is None or weights["lm_head"] is not w:
+            held.append(w)
         # Tied: the rows come from the head's panels, so the blocks are held once.
-        table = head.weight_p if head is not None and weights.get("lm_head") is w else w
-        model.add_module("embed_tokens", QuantizedEmbedding(table, dtype))
-    head_plan = head.settle(dtype, widest_rows) if head is not None else "no LM head blocks"
-    held = {id(m.weight_q): m.weight_q for m in (model.embed_tokens,) if isinstance(m, QuantizedEmbedding)}
-    if head is not None:
-        held[id(head.weight_p)] = head.weight_p
+        model.add_module("embed_tokens", QuantizedEmbedding(held[-1], dtype))
     logger.info(
         "GGUF blocks kept for %s (%.1f MiB); LM head: %s",
         " and ".join(sorted(weights)),
-        sum(w.nbytes for w in held.values()) / 2**20,
-        head_plan,
+        sum(w.nbytes for w in held) / 2**20,
+        head.settle(dtype, widest_rows) if head is not None else "no LM head blocks",
     )

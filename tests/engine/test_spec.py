@@ -10,7 +10,7 @@ from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, ScheduledRequest,
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.request import Request
 from engine_svc.sched.scheduler import Scheduler
-from engine_svc.sched.spec import Offer, SpeculativeConfig, Speculator, StepCosts, plan_drafts, propose_ngram
+from engine_svc.sched.spec import Offer, SpeculativeConfig, Speculator, StepCosts, choose_drafts, propose_ngram
 from engine_svc.types import SamplingParams
 
 BS = 4
@@ -119,7 +119,7 @@ def test_the_rule_drafts_where_it_pays_and_not_where_it_costs():
 
     def plan(num_requests: int, acceptance: float, k: int = 4) -> dict[str, int]:
         offers = [Offer(f"r{i}", acceptance, k) for i in range(num_requests)]
-        return plan_drafts(offers, num_rows=num_requests, num_outputs=num_requests, step_seconds=step)
+        return choose_drafts(offers, num_rows=num_requests, num_outputs=num_requests, step_seconds=step).counts
 
     assert plan(1, 0.86) == {"r0": 4}  # one request: 4 rows cost 19% more and yield ~3x
     assert plan(1, 0.2) == {"r0": 1}  # the first draft still pays, barely; longer ones do not
@@ -129,14 +129,16 @@ def test_the_rule_drafts_where_it_pays_and_not_where_it_costs():
     # A draft model's passes cost on top of the rows.
     draft = costs({1: 0.020, 64: 0.128}).seconds
     offers = [Offer("r0", 0.9, 4)]
-    assert plan_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=draft) == {}
+    assert choose_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=draft).counts == {}
     cheap = costs({1: 0.002, 64: 0.02}).seconds
-    assert plan_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=cheap) == {"r0": 4}
+    assert choose_drafts(offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=cheap).counts == {
+        "r0": 4
+    }
     # A gain asked for: 4 drafts at 0.9 promise 4.1x the tokens for 1.6x the seconds (2.57x).
     for min_gain, want in ((1.1, {"r0": 4}), (2.5, {"r0": 4}), (2.6, {})):
-        got = plan_drafts(
+        got = choose_drafts(
             offers, num_rows=1, num_outputs=1, step_seconds=step, draft_pass_seconds=cheap, min_gain=min_gain
-        )
+        ).counts
         assert got == want, min_gain
 
 

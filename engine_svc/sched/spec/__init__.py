@@ -5,7 +5,7 @@ draft model) is ``engine_svc/model/spec/``; docs/speculative.md says what works 
 from engine_svc.sched.spec.config import SpeculativeConfig
 from engine_svc.sched.spec.costs import StepCosts
 from engine_svc.sched.spec.ngram import NgramIndex, propose_ngram
-from engine_svc.sched.spec.plan import Offer, plan_drafts
+from engine_svc.sched.spec.plan import Offer, choose_drafts
 from engine_svc.sched.spec.speculator import Speculator
 from engine_svc.sched.spec.stats import SpecStats
 
@@ -16,6 +16,6 @@ __all__ = [
     "SpeculativeConfig",
     "Speculator",
     "StepCosts",
-    "plan_drafts",
+    "choose_drafts",
     "propose_ngram",
 ]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,11 +42,6 @@ class Offer:
 class DraftPlan:
     counts: dict[str, int]  # draft tokens per request id (absent: none)
     seconds: float  # the step's expected cost with them, before ``cost_factor``
-
-
-def plan_drafts(offers: list[Offer], **kwargs: Any) -> dict[str, int]:
-    """Draft tokens per request id (absent: none): ``choose_drafts``' counts alone."""
-    return choose_drafts(offers, **kwargs).counts
 
 
 def choose_drafts(

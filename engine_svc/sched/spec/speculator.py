@@ -264,24 +264,23 @@ class Speculator:
         and the draft model's passes by theirs."""
         if not self.config.adaptive:
             return
-        seconds = runner_output.execute_s
-        actual = seconds + sum(s for _, s in runner_output.draft_passes)
-        scheduled = scheduler_output.scheduled
-        drafted = any(s.draft_token_ids for s in scheduled)
-        # Decode steps only: a prefill row costs what no decode row does.
-        decoding = all(s.num_new_tokens == 1 for s in scheduled)  # drafts come on top
-        if not decoding:
-            pass
-        elif drafted and self._expected:
-            self._ratio_drafted += RATIO_WEIGHT * (actual / self._expected - self._ratio_drafted)
-        elif not drafted and (expected := self.step_costs.seconds(scheduler_output.num_tokens)) > 0.0:
-            self._ratio_plain += RATIO_WEIGHT * (actual / expected - self._ratio_plain)
-            self._ratio_drafted += RATIO_FORGET * (self._ratio_plain - self._ratio_drafted)
-        self._expected = None
-        if seconds > 0.0 and all(s.num_new_tokens == 1 for s in scheduler_output.scheduled):
-            self.step_costs.observe(scheduler_output.num_tokens, seconds)
         for num_rows, pass_seconds in runner_output.draft_passes:
             self.draft_costs.observe(num_rows, pass_seconds)
+        expected, self._expected = self._expected, None
+        scheduled = scheduler_output.scheduled
+        # Decode steps only: a prefill row costs what no decode row does (drafts come on top).
+        if not all(s.num_new_tokens == 1 for s in scheduled):
+            return
+        seconds = runner_output.execute_s
+        actual = seconds + sum(s for _, s in runner_output.draft_passes)
+        drafted = any(s.draft_token_ids for s in scheduled)
+        if drafted and expected:
+            self._ratio_drafted += RATIO_WEIGHT * (actual / expected - self._ratio_drafted)
+        elif not drafted and (plain := self.step_costs.seconds(scheduler_output.num_tokens)) > 0.0:
+            self._ratio_plain += RATIO_WEIGHT * (actual / plain - self._ratio_plain)
+            self._ratio_drafted += RATIO_FORGET * (self._ratio_plain - self._ratio_drafted)
+        if seconds > 0.0:
+            self.step_costs.observe(scheduler_output.num_tokens, seconds)
 
     def drop_draft_cache(self, request_id: str) -> None:
         """The request's blocks went back (preempted, paused): a draft model starts it
