@@ -1,11 +1,12 @@
 """Perplexity of a model on a text that ships with the repository, per weight format.
 
-    python -m benchmarks.perplexity --model PATH [--quantization auto none int8 int4]
+    python -m benchmarks.perplexity --model PATH [--quantization auto none int8 int4 auto+a8]
         [--text engine_svc/demo_corpus.txt] [--window 512] [--json OUT]
 
 Each ``--quantization`` value is one engine (``--quantization`` as the engine takes it:
 on a GGUF file ``none`` is its weights dequantized to float32, ``auto`` its blocks as they
-are, ``int8`` / ``int4`` the dequantized weights quantized again at load). The text is
+are, ``int8`` / ``int4`` the dequantized weights quantized again at load; ``+a8`` adds
+``--activation-quantization int8``). The text is
 tokenized with the model's tokenizer and cut into windows of ``--window`` tokens; the
 perplexity is exp of the mean negative log-likelihood of every token after the first of
 each window (the engine's prompt logprobs, float32). Prints one line per format and its
@@ -53,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for method in args.quantization:
         start = time.perf_counter()
-        core = EngineCore(EngineConfig(model=args.model, dtype="float32", quantization=method, num_kv_blocks=512))
+        weights, _, a8 = method.partition("+")
+        config = EngineConfig(
+            model=args.model,
+            dtype="float32",
+            quantization=weights,
+            activation_quantization="int8" if a8 == "a8" else "none",
+            num_kv_blocks=512,
+        )
+        core = EngineCore(config)
         tokenizer = Tokenizer.from_file(str(core.model_dir / "tokenizer.json"))
         token_ids = tokenizer.encode(Path(args.text).read_text()).ids[: args.max_tokens]
         ppl = perplexity(core, windows(token_ids, args.window))

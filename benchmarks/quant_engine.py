@@ -6,7 +6,8 @@
 
 Each ``--quantization`` value is one engine (``auto``: a GGUF file's blocks or a GPTQ / AWQ
 / compressed-tensors checkpoint's integers as they are; ``none``: dequantized to float32 at
-load), in its own process so that its resident memory is its own. Per batch size, that
+load; ``+a8`` adds ``--activation-quantization int8``, e.g. ``auto+a8``), in its own process so
+that its resident memory is its own. Per batch size, that
 many requests of ``--prompt-len`` random ids (seeded) arrive at once and each decodes
 ``--max-tokens`` tokens (greedy, ignore_eos); the figure is output tokens per second of
 ``--clock`` (``cpu``: the process's CPU time, for a shared machine, with ``--threads 1``;
@@ -71,10 +72,12 @@ def run_one(args) -> dict:
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     t0 = time.perf_counter()
+    weights, _, a8 = args.quantization[0].partition("+")
     core = EngineCore(
         EngineConfig(
-            model=args.model, dtype="float32", quantization=args.quantization[0], num_kv_blocks=args.kv_blocks,
+            model=args.model, dtype="float32", quantization=weights, num_kv_blocks=args.kv_blocks,
             max_num_seqs=max(args.batch), max_num_batched_tokens=args.max_num_batched_tokens,
+            activation_quantization="int8" if a8 == "a8" else "none",
         )
     )  # fmt: skip
     load_s = time.perf_counter() - t0

@@ -34,6 +34,8 @@ from engine_svc.model.native.quant import quantize_int4, quantize_int8
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 NUM_LAYERS = 30
 QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+# Weight formats, and with "-a8" the same weights with int8 activations (integer dot products).
+FORMATS = {**{f: (f, False) for f in QUANTIZERS}, **{f"{f}-a8": (f, True) for f in QUANTIZERS}}
 
 
 def timed(fns: dict[str, Callable[[], object]], clock: Callable[[], float], repeats: int) -> dict[str, float]:
@@ -60,7 +62,7 @@ def timed(fns: dict[str, Callable[[], object]], clock: Callable[[], float], repe
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16, 32, 64, 256])
-    p.add_argument("--formats", nargs="+", default=["int4", "int8"], choices=sorted(QUANTIZERS))
+    p.add_argument("--formats", nargs="+", default=["int4", "int8"], choices=sorted(FORMATS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--repeats", type=int, default=7)
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = [(name, torch.randn(n, k) * 0.05) for _ in range(NUM_LAYERS) for name, (n, k) in SHAPES.items()]
     packed = [(name, kernels.pack(w, None, dtype)) for name, w in layers]
     qpack = getattr(kernels, "qpack", lambda w: w)  # checkouts before the panel layout took QuantizedWeight
-    quantized = {f: [(name, qpack(QUANTIZERS[f](w))) for name, w in layers] for f in args.formats}
+    weights = {FORMATS[f][0] for f in args.formats}
+    quantized = {f: [(name, qpack(QUANTIZERS[f](w))) for name, w in layers] for f in weights}
     del layers
     features = cpu_features()
     print(f"{features.model_name}; build {kernels.isa}; {args.threads} thread(s), {args.clock} time, x {args.dtype}")
@@ -89,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, object] = {"rows": m}
         fns = {"float32": lambda xs=xs: [kernels.gemm(xs[n], w) for n, w in packed]}
         for f in args.formats:
-            fns[f] = lambda f=f, xs=xs: [kernels.qgemm(xs[n], w) for n, w in quantized[f]]
+            weight, a8 = FORMATS[f]
+            fns[f] = lambda weight=weight, a8=a8, xs=xs: [
+                kernels.qgemm(xs[n], w, int8_activations=a8) if a8 else kernels.qgemm(xs[n], w)
+                for n, w in quantized[weight]
+            ]
         times = timed(fns, clock, args.repeats)
         f32 = times["float32"]
         row["float32_ms"] = 1e3 * f32

@@ -80,6 +80,7 @@ class EngineCore:
             batch_size_hint=config.max_num_seqs,
             max_num_seqs=config.max_num_seqs,
             quantization=config.quantization,
+            activation_quantization=config.activation_quantization,
             lora_slots=config.lora.num_slots if config.enable_lora else 0,
             max_lora_rank=config.lora.max_lora_rank,
             **_draft_model(config),

@@ -38,7 +38,11 @@ from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.native_layers import install_native_layers, install_native_linears
 from engine_svc.model.packed_linear import pack_linears, packing_supported
 from engine_svc.model.quantized_embeddings import install_quantized_embeddings
-from engine_svc.model.quantized_layers import install_prequantized_linears, install_quantized_linears
+from engine_svc.model.quantized_layers import (
+    install_prequantized_linears,
+    install_quantized_linears,
+    quantize_activations,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +125,7 @@ def install_backend(
     prequantized: dict[str, QuantizedWeight] | None = None,
     prequantized_source: str = "gguf",
     quantized_embeddings: dict[str, QuantizedWeight] | None = None,
+    int8_activations: bool = False,
 ) -> ModelBackend:
     """Swap the model's layers for the chosen backend's, in place; the one place that
     packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
@@ -129,7 +134,9 @@ def install_backend(
     ``prequantized`` are quantized weights read as they are, for the layers they name, from
     ``prequantized_source`` (a GGUF file's blocks; a GPTQ, AWQ or compressed-tensors
     checkpoint's integers); ``quantized_embeddings`` a GGUF file's embedding and LM head
-    blocks (quantized_embeddings.py), with the float head kept for wide steps where that pays."""
+    blocks (quantized_embeddings.py), with the float head kept for wide steps where that pays;
+    ``int8_activations`` (``--activation-quantization int8``) the quantized linear layers'
+    inputs quantized to int8 (quantized_layers.py)."""
     if quantization is not None and kernels is None:
         raise ValueError(
             f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
@@ -151,6 +158,8 @@ def install_backend(
         num_packed = pack_linears(model, batch_size_hint)
     if quantized_embeddings and kernels is not None:
         install_quantized_embeddings(model, kernels, quantized_embeddings, dtype, batch_size_hint)
+    if int8_activations:
+        quantize_activations(model, kernels)
     if kernels is not None and device.type == "cpu":
         model.decode_stack = build_decode_stack(model, kernels)
     backend = ModelBackend(

@@ -42,7 +42,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("quantized", _I), ("kind", _I), ("w", _P), ("scale", _P), ("min", _P), ("sdtype", _I), ("group", _I),
-        ("bias", _P), ("n", _I), ("k", _I), ("epilogue", _I),
+        ("bias", _P), ("n", _I), ("k", _I), ("epilogue", _I), ("xquant", _I),
     ]  # fmt: skip
 
 
@@ -66,7 +66,7 @@ def _linear(module: torch.nn.Module) -> _Linear | None:
         qs, scale, minimum, bias = w.pointers
         return _Linear(
             1, w.bits, qs, scale, minimum, SCALE_CODES[w.scale.dtype], w.group, bias, w.out_features, w.in_features,
-            EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
+            EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE, int(module.int8_activations),
         )  # fmt: skip
     if type(module) is NativeLinear and module.packed.panels.dtype == torch.float32:
         p = module.packed

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from engine_svc.model.layers import MLP
 from engine_svc.model.llama import Transformer
 from engine_svc.model.native import NativeKernels
+from engine_svc.model.native.kernels import INT8_ACTIVATION_MAX_GROUP, supports_int8_activations
 from engine_svc.model.native.quant import QuantizedWeight, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -40,14 +41,15 @@ class QuantizedLinear(nn.Module):
         self.kernels = kernels
         self.weight_p = kernels.qpack(weight, bias, silu_mul)  # not a Parameter: no state_dict entry
         self.silu_mul = silu_mul
+        self.int8_activations = False  # quantize_activations sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qgemm(_rows(x), self.weight_p)
+        return self.kernels.qgemm(_rows(x), self.weight_p, int8_activations=self.int8_activations)
 
     def pre_activation(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T + b: for a gate/up weight both halves, [gate | up], before SiLU-and-multiply
         (a LoRA adapter adds its term there: model/lora/slots.py)."""
-        return self.kernels.qgemm(_rows(x), self.weight_p, pre_activation=True)
+        return self.kernels.qgemm(_rows(x), self.weight_p, pre_activation=True, int8_activations=self.int8_activations)
 
     def activate(self, y: torch.Tensor) -> torch.Tensor:
         if not self.silu_mul:
@@ -57,7 +59,10 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         w = self.weight_p
-        return f"in_features={w.in_features}, out_features={w.out_features}, bits={w.bits}, silu_mul={self.silu_mul}"
+        return (
+            f"in_features={w.in_features}, out_features={w.out_features}, bits={w.bits}, silu_mul={self.silu_mul}, "
+            f"int8_activations={self.int8_activations}"
+        )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -119,3 +124,32 @@ def install_quantized_linears(model: Transformer, kernels: NativeKernels, method
         quantized_bytes / 2**20,
     )
     return count
+
+
+def quantize_activations(model: nn.Module, kernels: NativeKernels | None) -> int:
+    """``--activation-quantization int8``: every QuantizedLinear of ``model`` quantizes its
+    input to int8 per row and group of its weight and sums by integer dot products
+    (``NativeKernels.qgemm``); returns how many. The LM head keeps float activations: its
+    error turns straight into token choices. Raises ValueError where the CPU has no int8
+    dot products or the model has no quantized layer to apply it to."""
+    if kernels is None or not kernels.int8_dot_products:
+        raise ValueError(
+            "--activation-quantization int8 needs the native kernels on a CPU with AVX512-VNNI or AVX-VNNI "
+            f"(this one: {kernels.isa if kernels else 'no native kernels'}); drop it"
+        )
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not layers:
+        raise ValueError(
+            "--activation-quantization int8 applies to quantized linear layers, and this model has none: "
+            "serve a quantized checkpoint or add --quantization int8 / int4"
+        )
+    taken = [m for m in layers if supports_int8_activations(kernels, m.weight_p)]
+    for m in taken:
+        m.int8_activations = True
+    skipped = (
+        f" (the other {len(layers) - len(taken)}: groups over {INT8_ACTIVATION_MAX_GROUP})"
+        if len(taken) < len(layers)
+        else ""
+    )
+    logger.info("activation quantization int8: %d of %d quantized linear layers%s", len(taken), len(layers), skipped)
+    return len(taken)

@@ -71,6 +71,7 @@ class ModelRunner:
         batch_size_hint: int = 64,
         max_num_seqs: int = 128,
         quantization: str | None = None,
+        activation_quantization: str = "none",
         lora_slots: int = 0,
         max_lora_rank: int = 16,
         draft_model: str | None = None,
@@ -78,7 +79,9 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = self._resolve_dtype(dtype, model_dir, quantization)
-        self.model, self.model_args, backend = self._load_model(model_dir, kernels, batch_size_hint, quantization)
+        self.model, self.model_args, backend = self._load_model(
+            model_dir, kernels, batch_size_hint, quantization, activation_quantization
+        )
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
         self.native_prefill = backend.native_prefill
@@ -104,7 +107,12 @@ class ModelRunner:
     # -- construction steps ------------------------------------------------------------
 
     def _load_model(
-        self, model_dir: str, kernels: str, batch_size_hint: int, quantization: str | None
+        self,
+        model_dir: str,
+        kernels: str,
+        batch_size_hint: int,
+        quantization: str | None,
+        activation_quantization: str = "none",
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
@@ -116,6 +124,7 @@ class ModelRunner:
             dtype=self.dtype,
             batch_size_hint=batch_size_hint,
             quantization=quantization,
+            activation_quantization=activation_quantization,
         )
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:

@@ -35,10 +35,12 @@ def load_served_model(
     dtype: torch.dtype,
     batch_size_hint: int,
     quantization: str | None,
+    activation_quantization: str = "none",
 ) -> tuple[Transformer, ModelArgs, ModelBackend]:
     """Weights on the device, their layers on the backend ``backend.py`` chooses.
     ``build`` is the native kernels' build, started before the weights load so that
-    the two overlap; ``quantization`` is ``--quantization``."""
+    the two overlap; ``quantization`` is ``--quantization``, ``activation_quantization``
+    ``--activation-quantization``."""
     prequantized, source = _prequantized(model_dir, build, quantization)
     model, args = load_model(model_dir, device, dtype, kept_modules=prequantized or ())
     gguf_path = gguf_source(model_dir)
@@ -54,6 +56,7 @@ def load_served_model(
         prequantized=prequantized,
         prequantized_source=source,
         quantized_embeddings=embeddings,
+        int8_activations=activation_quantization == "int8",
     )
     close_gguf()  # every weight is copied out of the file by now
     return model, args, backend

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from engine_svc.model.native import load_kernels
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import ScheduledRequest
 from engine_svc.sched.request import Request
@@ -41,9 +42,13 @@ def _hidden(runner: ModelRunner, batch: list[ScheduledRequest]) -> torch.Tensor:
         return runner.model(input_ids, positions, runner.kv_caches, meta)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "int4+a8"])
 def test_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(model_dir, quantization):
-    runner = _runner(model_dir, quantization)
+    weights, _, a8 = (quantization or "").partition("+")
+    kernels = load_kernels()
+    if a8 and (kernels is None or not kernels.int8_dot_products):
+        pytest.skip("no int8 dot products on this CPU")
+    runner = _runner(model_dir, weights or None, activation_quantization="int8" if a8 else "none")
     stack = runner.model.decode_stack
     assert stack is not None
     gen = torch.Generator().manual_seed(0)

@@ -74,17 +74,33 @@ def test_every_build_compiles(build_dir, isa):
 
 
 ZEN3 = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx f16c fma avx2 bmi2\n"
-ZEN4 = "model name\t: AMD EPYC 9B14\nflags\t\t: avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16\n"
+ZEN4 = (
+    "model name\t: AMD EPYC 9B14\n"
+    "flags\t\t: avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
+)
 SPR = (
     "model name\t: Intel Xeon 8481C\n"
-    "flags\t\t: f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile\n"
+    "flags\t\t: f16c fma avx2 avx_vnni avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_tile\n"
 )
+CASCADE_LAKE = (
+    "model name\t: Intel Xeon 8273CL\nflags\t\t: f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni\n"
+)
+SKYLAKE_X = "model name\t: Intel Xeon 8175M\nflags\t\t: f16c fma avx2 avx512f avx512dq avx512bw avx512vl\n"
+SIERRA_FOREST = "model name\t: Intel Xeon 6780E\nflags\t\t: f16c fma avx2 avx_vnni\n"
 OLD = "model name\t: Old x86\nflags\t\t: sse2 avx\n"
 
 
 @pytest.mark.parametrize(
     "cpuinfo,isa,native_bf16",
-    [(ZEN3, "avx2", False), (ZEN4, "avx512_bf16", True), (SPR, "avx512_bf16", True), (OLD, None, False)],
+    [
+        (ZEN3, "avx2", False),
+        (ZEN4, "avx512_bf16", True),
+        (SPR, "avx512_bf16", True),
+        (CASCADE_LAKE, "avx512_vnni", False),
+        (SKYLAKE_X, "avx512", False),
+        (SIERRA_FOREST, "avx2_vnni", False),
+        (OLD, None, False),
+    ],
 )
 def test_dispatch_follows_the_cpu_flags(cpuinfo, isa, native_bf16):
     features = parse_cpuinfo(cpuinfo)
@@ -144,6 +160,8 @@ def test_prebuilt_kernels_load_without_a_compiler_and_none_falls_back(tmp_path):
         (ZEN3, "avx512_bf16", "avx2"),  # asked for more than the CPU has: not given
         (ZEN4, "avx2", "avx2"),  # less than it has: given, to compare builds
         (ZEN4, "sse", "avx512_bf16"),  # not a build: ignored
+        (ZEN4, "avx2_vnni", "avx512_bf16"),  # a lesser build whose flags it lacks (AVX-VNNI): not given
+        (CASCADE_LAKE, "avx512", "avx512"),
         (OLD, "avx2", None),  # no AVX2: no build at all
     ],
 )
@@ -182,7 +200,9 @@ def test_no_avx2_and_failed_builds_fall_back(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=native.__name__):
         loaded = native.load_kernels()
     assert loaded is not None and loaded.isa == "avx2"
-    assert "avx512_bf16 kernels unavailable" in caplog.text and "avx512 kernels unavailable" in caplog.text
+    for isa in ("avx512_bf16", "avx512_vnni", "avx512"):
+        assert f"{isa} kernels unavailable" in caplog.text
+    assert "avx2_vnni" not in caplog.text  # Zen 4 has no AVX-VNNI: never tried
 
 
 def test_a_build_others_could_write_is_not_loaded(tmp_path):

@@ -54,7 +54,7 @@ def _choose_isa(features: CpuFeatures) -> str | None:
     if wanted and best is not None:
         if wanted not in ISA_BUILDS:
             logger.warning("TANDEM_KERNEL_ISA=%s is not a kernel build (%s)", wanted, ", ".join(ISA_BUILDS))
-        elif ISA_PREFERENCE.index(wanted) < ISA_PREFERENCE.index(best):
+        elif not ISA_BUILDS[wanted][1] <= features.flags:
             logger.warning("TANDEM_KERNEL_ISA=%s: this CPU cannot run it; using %s", wanted, best)
         else:
             return wanted
@@ -64,7 +64,8 @@ def _choose_isa(features: CpuFeatures) -> str | None:
 def _load(isa: str) -> NativeKernels | None:
     """The build for ``isa``, else the next less capable one the CPU runs (a compiler too
     old for AVX512-BF16 still makes an AVX2 build), else None; the reasons logged."""
-    candidates = ISA_PREFERENCE[ISA_PREFERENCE.index(isa) :]
+    flags = cpu_features().flags
+    candidates = tuple(c for c in ISA_PREFERENCE[ISA_PREFERENCE.index(isa) :] if ISA_BUILDS[c][1] <= flags)
     if compiler() is None:
         candidates = tuple(c for c in candidates if target(c).is_file())
         if not candidates:

@@ -1,7 +1,7 @@
 """What this CPU can run, read at run time, and which build of the kernels fits it.
 
     cpu_features() -> CpuFeatures (model name, flags from /proc/cpuinfo)
-    features.kernel_isa -> "avx512_bf16" | "avx512" | "avx2" | None
+    features.kernel_isa -> "avx512_bf16" | "avx512_vnni" | "avx512" | "avx2_vnni" | "avx2" | None
 
 A build is only ever loaded on a CPU that has every flag it was compiled for, so no
 binary meets an instruction its CPU lacks. Outside Linux, or where /proc/cpuinfo says
@@ -16,22 +16,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Compiler flags of each build, and the CPU flags (as /proc/cpuinfo names them) it needs.
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+_AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
+_AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+# The VNNI builds add the integer dot products of int8 activations (quant.c's W8A8 path).
 ISA_BUILDS: dict[str, tuple[list[str], frozenset[str]]] = {
-    "avx2": (["-mavx2", "-mfma", "-mf16c"], frozenset({"avx2", "fma", "f16c"})),
-    "avx512": (
-        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-    ),
+    "avx2": (_AVX2, _AVX2_FLAGS),
+    "avx2_vnni": ([*_AVX2, "-mavxvnni"], _AVX2_FLAGS | {"avx_vnni"}),
+    "avx512": (_AVX512, _AVX512_FLAGS),
+    "avx512_vnni": ([*_AVX512, "-mavx512vnni"], _AVX512_FLAGS | {"avx512_vnni"}),
     "avx512_bf16": (
-        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+        [*_AVX512, "-mavx512vnni", "-mavx512bf16"],
+        _AVX512_FLAGS | {"avx512_vnni", "avx512_bf16"},
     ),
 }
-# Most capable first.
-ISA_PREFERENCE = ("avx512_bf16", "avx512", "avx2")
+# Most capable first. A CPU takes the first build whose flags it has, and falls back (a
+# compiler too old for a build) to the next one it has them for.
+ISA_PREFERENCE = ("avx512_bf16", "avx512_vnni", "avx512", "avx2_vnni", "avx2")
 
 # Flags worth reporting next to a benchmark figure.
-REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+REPORTED_FLAGS = (
+    "avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

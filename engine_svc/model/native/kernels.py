@@ -33,7 +33,8 @@ _SIGNATURES = {
     "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
     "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
     "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
-    "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _I, _P, _P, _L, _I, _I, _I, _I, _I, _I],
+    "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _I, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I],
+    "tk_qgemm_int8": [],
     "tk_decode_stack": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I],
 }
 
@@ -118,6 +119,14 @@ class PackedWeight:
         self.silu_mul = silu_mul
 
 
+# Groups of K the int8-activation path takes (quant.c: a group's integer sums in one slice).
+INT8_ACTIVATION_MAX_GROUP = 512
+
+
+def supports_int8_activations(kernels: NativeKernels, w: PackedQuantWeight) -> bool:
+    return kernels.int8_dot_products and w.group <= INT8_ACTIVATION_MAX_GROUP
+
+
 class NativeKernels:
     def __init__(self, path: Path, isa: str) -> None:
         self.isa = isa
@@ -136,6 +145,8 @@ class NativeKernels:
         self.vector_width = self.panel_width // 2  # floats per vector register of this build
         # bfloat16 matmuls as bfloat16 dot products (AVX512-BF16), same bits as float32 multiply-adds
         self.bf16_dot_products = bool(lib.tk_gemm_bf16_dp())
+        # int8 dot products (AVX512-VNNI / AVX-VNNI): qgemm's int8 activations
+        self.int8_dot_products = bool(lib.tk_qgemm_int8())
 
     def supports_prefill_attention(self, head_dim: int) -> bool:
         """The prefill kernel works on whole vectors of head dimensions."""
@@ -226,14 +237,20 @@ class NativeKernels:
         ``silu_mul``, the first half of the rows are the gate and the second the up projection."""
         return pack_panels(weight, self.panel_width, bias, silu_mul)
 
-    def qgemm(self, x: torch.Tensor, w: PackedQuantWeight, pre_activation: bool = False) -> torch.Tensor:
+    def qgemm(
+        self, x: torch.Tensor, w: PackedQuantWeight, pre_activation: bool = False, int8_activations: bool = False
+    ) -> torch.Tensor:
         """x [M, K] @ dequantized(W)^T (+ bias) -> [M, out_features] in x's dtype, W kept
         quantized (quant.c); SiLU-and-multiply for a gate/up weight, unless ``pre_activation``:
-        then both halves, [M, 2 * out_features] = [gate | up]."""
+        then both halves, [M, 2 * out_features] = [gate | up]. With ``int8_activations``
+        (builds with ``int8_dot_products``), x is first quantized per row and group of the
+        weight (``quant.quantize_activations``) and the sums are integer dot products."""
         if x.dim() != 2 or x.shape[1] != w.in_features or x.stride(1) != 1:
             raise ValueError(f"qgemm: expected [M, {w.in_features}] rows, got {tuple(x.shape)}")
         if w.panel_width != self.panel_width:
             raise ValueError(f"qgemm: weight packed in panels of {w.panel_width}, this build's are {self.panel_width}")
+        if int8_activations and not supports_int8_activations(self, w):
+            raise ValueError(f"qgemm: int8 activations need int8 dot products and groups of at most 512 ({self.isa})")
         raw = pre_activation and w.silu_mul  # every panel as it is: gate and up panels alternate
         m, nr = x.shape[0], w.panel_width
         n = w.qs.shape[0] * nr if raw else w.out_features
@@ -243,7 +260,8 @@ class NativeKernels:
         rc = self._fast["tk_qgemm"](
             _P(xf.data_ptr()), _L(xf.stride(0)), w.bits, qs, scale, minimum, SCALE_CODES[w.scale.dtype], w.group,
             bias, _P(out.data_ptr()), _L(out.stride(0)), _code(out), _int32(m), n, w.in_features,
-            EPILOGUE_SILU_MUL if w.silu_mul and not raw else EPILOGUE_NONE, torch.get_num_threads(),
+            EPILOGUE_SILU_MUL if w.silu_mul and not raw else EPILOGUE_NONE, int(int8_activations),
+            torch.get_num_threads(),
         )  # fmt: skip
         _check("qgemm", rc)
         if not raw:

@@ -308,6 +308,247 @@ static void block_times_qpanel(const qargs *a, int m0, int rows, int p, float *b
     }
 }
 
+/* -- int8 activations (W8A8): integer dot products ------------------------------------ */
+
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || (!defined(__AVX512F__) && defined(__AVXVNNI__))
+#define TK_INT8_DOT 1
+#else
+#define TK_INT8_DOT 0
+#endif
+
+/* X's rows quantized, per row and group of K (the weight's groups): q = round(x * 127 / a),
+ * a = max |x| over the group, to nearest even; the group's scale is a / 127 (0 where a is 0).
+ *   q    int8 [M][K], the 8 k of each aligned run in the order the weights' quads take them:
+ *        natural for 8-bit weights, k + 0, 2, 4, 6, 1, 3, 5, 7 for 4-bit ones
+ *   sx   [M][ng] the scales
+ *   xs   [M][ng] sx * sum(q): the group's sum of the dequantized row (for the mins)
+ *   xc   [M][ng] 128 * sum(q) (8-bit weights, held biased by 128: see i8_convert) */
+typedef struct {
+    int8_t *q;
+    float *sx, *xs;
+    int32_t *xc;
+} xquant;
+
+#if TK_INT8_DOT
+
+static inline vi vdot_u8s8(vi acc, vi u, vi s) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#else
+    return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)u, (__m256i)s);
+#endif
+}
+
+static inline vi vbcast_i32(int32_t x) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_set1_epi32(x);
+#else
+    return (vi)_mm256_set1_epi32(x);
+#endif
+}
+
+/* One row's groups quantized (xquant's rules). */
+static void quantize_row(const float *x, int K, int group, int kind, int8_t *q, float *sx, float *xs, int32_t *xc) {
+#if defined(__AVX512F__)
+    const __m512i evens_odds = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+#else
+    const __m256i evens_odds = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+#endif
+    for (int g = 0; g < K / group; g++) {
+        const float *xg = x + (size_t)g * group;
+        vf amax = vzero();
+        for (int k = 0; k < group; k += TK_VL) amax = vmax(amax, (vf)((vi)vload(xg + k) & 0x7fffffff));
+        float a = 0.0f;
+        for (int l = 0; l < TK_VL; l++) a = a > amax[l] ? a : amax[l];
+        const float inv = a > 0.0f ? 127.0f / a : 0.0f;
+        vi sum = (vi){0};
+        for (int k = 0; k < group; k += TK_VL) {
+            vf v = vload(xg + k);
+#if defined(__AVX512F__)
+            if (kind == TK_Q4) v = (vf)_mm512_permutexvar_ps(evens_odds, (__m512)v);
+            const vi qi = (vi)_mm512_cvtps_epi32((__m512)(v * inv));
+            _mm_storeu_si128((__m128i *)(q + (size_t)g * group + k), _mm512_cvtepi32_epi8((__m512i)qi));
+#else
+            if (kind == TK_Q4) v = (vf)_mm256_permutevar8x32_ps((__m256)v, evens_odds);
+            const vi qi = (vi)_mm256_cvtps_epi32((__m256)(v * inv));
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128((__m256i)qi), _mm256_extracti128_si256((__m256i)qi, 1));
+            _mm_storel_epi64((__m128i *)(q + (size_t)g * group + k), _mm_packs_epi16(w, w));
+#endif
+            sum += qi;
+        }
+        int32_t total = 0;
+        for (int l = 0; l < TK_VL; l++) total += sum[l];
+        sx[g] = a / 127.0f;
+        xs[g] = sx[g] * (float)total;
+        xc[g] = 128 * total;
+    }
+}
+
+/* 4 rows of NR bytes (row i at r + i * stride) -> two vectors whose 32-bit lane j holds the
+ * four bytes of column j (then j + TK_VL), rows in order: the quads of VPDPBUSD. */
+static inline void bytes_transpose(const uint8_t *r, size_t stride, vi out[2]) {
+#if defined(__AVX512F__)
+    const __m256i a0 = _mm256_loadu_si256((const __m256i *)r), a1 = _mm256_loadu_si256((const __m256i *)(r + stride));
+    const __m256i a2 = _mm256_loadu_si256((const __m256i *)(r + 2 * stride));
+    const __m256i a3 = _mm256_loadu_si256((const __m256i *)(r + 3 * stride));
+    const __m256i lo01 = _mm256_unpacklo_epi8(a0, a1), hi01 = _mm256_unpackhi_epi8(a0, a1);
+    const __m256i lo23 = _mm256_unpacklo_epi8(a2, a3), hi23 = _mm256_unpackhi_epi8(a2, a3);
+    /* per 128-bit lane: c0 columns 0-3 (lane 1: 16-19), c1 4-7, c2 8-11, c3 12-15 */
+    const __m256i c0 = _mm256_unpacklo_epi16(lo01, lo23), c1 = _mm256_unpackhi_epi16(lo01, lo23);
+    const __m256i c2 = _mm256_unpacklo_epi16(hi01, hi23), c3 = _mm256_unpackhi_epi16(hi01, hi23);
+    const __m512i u0 = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+    const __m512i u1 = _mm512_inserti64x4(_mm512_castsi256_si512(c2), c3, 1);
+    out[0] = (vi)_mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(2, 0, 2, 0));
+    out[1] = (vi)_mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 1, 3, 1));
+#else
+    const __m128i a0 = _mm_loadu_si128((const __m128i *)r), a1 = _mm_loadu_si128((const __m128i *)(r + stride));
+    const __m128i a2 = _mm_loadu_si128((const __m128i *)(r + 2 * stride));
+    const __m128i a3 = _mm_loadu_si128((const __m128i *)(r + 3 * stride));
+    const __m128i lo01 = _mm_unpacklo_epi8(a0, a1), hi01 = _mm_unpackhi_epi8(a0, a1);
+    const __m128i lo23 = _mm_unpacklo_epi8(a2, a3), hi23 = _mm_unpackhi_epi8(a2, a3);
+    out[0] = (vi)_mm256_set_m128i(_mm_unpackhi_epi16(lo01, lo23), _mm_unpacklo_epi16(lo01, lo23));
+    out[1] = (vi)_mm256_set_m128i(_mm_unpackhi_epi16(hi01, hi23), _mm_unpacklo_epi16(hi01, hi23));
+#endif
+}
+
+/* buf [kc/4][NR][4] uint8 = the quantized K slice k0 .. k0 + kc of panel p as VPDPBUSD's
+ * unsigned operand: 4-bit weights as they are (8 k at a time: the low nibbles make the quad
+ * of k + 0, 2, 4, 6, the high ones k + 1, 3, 5, 7, as the rows were ordered); 8-bit weights
+ * plus 128 (q ^ 0x80), which the row's 128 * sum(q) takes back out of each group's sum. */
+static void i8_convert(const qargs *a, int p, int k0, int kc, uint8_t *buf) {
+    const uint8_t *q = a->qs + (size_t)p * a->panel_qbytes;
+    if (a->kind == TK_Q4) {
+        for (int k = k0; k < k0 + kc; k += 8) {
+            const uint8_t *b = q + (size_t)(k / 2) * NR;
+            __builtin_prefetch(b + PF_BYTES, 0, 3);
+            __builtin_prefetch(b + PF_BYTES + 2 * NR, 0, 3);
+            vi t[2];
+            bytes_transpose(b, NR, t);
+            vi *out = (vi *)(buf + (size_t)(k - k0) * NR);
+            out[0] = t[0] & 0x0f0f0f0f, out[1] = t[1] & 0x0f0f0f0f;
+            out[2] = (t[0] >> 4) & 0x0f0f0f0f, out[3] = (t[1] >> 4) & 0x0f0f0f0f;
+        }
+    } else {
+        for (int k = k0; k < k0 + kc; k += 4) {
+            const uint8_t *b = q + (size_t)k * NR;
+            __builtin_prefetch(b + PF_BYTES, 0, 3);
+            __builtin_prefetch(b + PF_BYTES + 2 * NR, 0, 3);
+            vi t[2];
+            bytes_transpose(b, NR, t);
+            vi *out = (vi *)(buf + (size_t)(k - k0) * NR);
+            out[0] = t[0] ^ (int32_t)0x80808080, out[1] = t[1] ^ (int32_t)0x80808080;
+        }
+    }
+}
+
+/* Rows of the integer micro-tile: two int32 sums a row for the group in hand; the float32
+ * totals stay in cs (L1), added to once a group. Measured on Zen 5 over SmolLM2's layers
+ * (int4, 64 and 256 rows): 6 rows ran 1.2-1.3x faster than 4, 8 or 12 (fewer rows reload
+ * the weights more often; more run out of registers for the fold). AVX2: 16 registers. */
+#if defined(__AVX512F__)
+#define I8_MR 6
+#else
+#define I8_MR 3
+#endif
+
+/* cs [mr][NR] (=|+=) rows r .. r + mr of the slice's groups: each group's integer sum,
+ * exact, then scaled: s * sx * sum (minus the bias of 8-bit weights first), plus m * xs for
+ * the group's min. */
+static inline __attribute__((always_inline)) void i8_tile(const int mr, const int q8, const int has_min,
+                                                          const qargs *a, const xquant *xq, int r, int p, int k0,
+                                                          int kc, const uint8_t *buf, float *cs, int first) {
+    if (first)
+        for (int i = 0; i < mr; i++) vstore(cs + i * NR, vzero()), vstore(cs + i * NR + TK_VL, vzero());
+    const size_t sb = (size_t)p * a->ng * NR;
+    const int8_t *xr = xq->q + (size_t)r * a->K + k0;
+    int g = k0 / a->group;
+    for (int k = 0; k < kc; k += a->group, g++) {
+        vi isum[I8_MR][2];
+        for (int i = 0; i < mr; i++) isum[i][0] = isum[i][1] = (vi){0};
+        for (int kk = k; kk < k + a->group; kk += 4) {
+            const vi *b = (const vi *)(buf + (size_t)kk * NR);
+            const vi b0 = b[0], b1 = b[1];
+            for (int i = 0; i < mr; i++) {
+                int32_t quad;
+                memcpy(&quad, xr + (size_t)i * a->K + kk, 4);
+                const vi x4 = vbcast_i32(quad);
+                isum[i][0] = vdot_u8s8(isum[i][0], b0, x4);
+                isum[i][1] = vdot_u8s8(isum[i][1], b1, x4);
+            }
+        }
+        vf s[2], m[2];
+        group_vectors(a->scale, a->sdtype, sb + (size_t)g * NR, s);
+        if (has_min) group_vectors(a->min, a->sdtype, sb + (size_t)g * NR, m);
+        for (int i = 0; i < mr; i++) {
+            const size_t at = (size_t)(r + i) * a->ng + g;
+            const vf sx = vbcast(xq->sx[at]);
+            for (int h = 0; h < 2; h++) {
+                const vi sum = q8 ? isum[i][h] - vbcast_i32(xq->xc[at]) : isum[i][h];
+                vf t = vload(cs + i * NR + h * TK_VL) + __builtin_convertvector(sum, vf) * (s[h] * sx);
+                if (has_min) t += m[h] * vbcast(xq->xs[at]);
+                vstore(cs + i * NR + h * TK_VL, t);
+            }
+        }
+    }
+}
+
+/* A literal row count and layout per call: the sums stay in registers, the fold does only
+ * what the weight's layout needs. */
+#define I8_ROWS(q8, has_min)                                                                      \
+    static void i8_rows_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, int k0, int kc, \
+                                      const uint8_t *buf, float *cs, int first) {                  \
+        switch (rows) {                                                                           \
+        I8_CASES(q8, has_min)                                                                     \
+        case 3: i8_tile(3, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;              \
+        case 2: i8_tile(2, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;              \
+        default: i8_tile(1, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;             \
+        }                                                                                         \
+    }
+#if I8_MR == 6
+#define I8_CASES(q8, has_min)                                                    \
+    case 6: i8_tile(6, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break; \
+    case 5: i8_tile(5, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break; \
+    case 4: i8_tile(4, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;
+#elif I8_MR == 3
+#define I8_CASES(q8, has_min)
+#else
+#error "I8_MR is 6 or 3"
+#endif
+I8_ROWS(0, 0)
+I8_ROWS(0, 1)
+I8_ROWS(1, 0)
+I8_ROWS(1, 1)
+
+static void i8_rows(const qargs *a, const xquant *xq, int r, int rows, int p, int k0, int kc, const uint8_t *buf,
+                    float *cs, int first) {
+    if (a->kind == TK_Q8) {
+        (a->min ? i8_rows_11 : i8_rows_10)(a, xq, r, rows, p, k0, kc, buf, cs, first);
+    } else {
+        (a->min ? i8_rows_01 : i8_rows_00)(a, xq, r, rows, p, k0, kc, buf, cs, first);
+    }
+}
+
+/* K per slice of the integer path: whole groups, about 512 k (16 KiB of buf on AVX512). */
+static inline int i8_slice(int K, int group) {
+    const int kc = group >= 512 ? group : 512 / group * group;
+    return kc < K ? kc : K;
+}
+
+/* cs [rows][NR] = quantized X[m0..m0+rows) @ panel p, a K slice at a time through buf. */
+static void i8_block(const qargs *a, const xquant *xq, int m0, int rows, int p, uint8_t *buf, float *cs) {
+    const int kcs = i8_slice(a->K, a->group);
+    for (int k0 = 0; k0 < a->K; k0 += kcs) {
+        const int kc = a->K - k0 < kcs ? a->K - k0 : kcs;
+        i8_convert(a, p, k0, kc, buf);
+        for (int r = 0; r < rows; r += I8_MR) {
+            const int mr = rows - r < I8_MR ? rows - r : I8_MR;
+            i8_rows(a, xq, m0 + r, mr, p, k0, kc, buf, cs + (size_t)r * NR, k0 == 0);
+        }
+    }
+}
+
+#endif /* TK_INT8_DOT */
+
 /* -- the result ----------------------------------------------------------------------- */
 
 /* Rows m0 .. m0+rows of output tile q (columns q*NR ..) from its sums cs (and, for the gate/up
@@ -332,13 +573,68 @@ static void store_tile(const qargs *a, int m0, int rows, int q, float *cs, const
     }
 }
 
-/* Returns 0, 1 on a bad argument, 2 if scratch memory could not be allocated. */
+/* Whether this build has the integer dot products of tk_qgemm's int8 activations. */
+int tk_qgemm_int8(void) { return TK_INT8_DOT; }
+
+#if TK_INT8_DOT
+/* The product with X quantized to int8 (xquant), every row count alike. */
+static int qgemm_int8(const qargs *a, int nthreads) {
+    const int M = a->M, K = a->K, ng = a->ng, num_tiles = (a->N + NR - 1) / NR;
+    const int silu = a->epilogue == EPI_SILU_MUL;
+    xquant xq = {
+        .q = malloc((size_t)M * K),
+        .sx = malloc(sizeof(float) * (size_t)M * ng),
+        .xs = malloc(sizeof(float) * (size_t)M * ng),
+        .xc = malloc(sizeof(int32_t) * (size_t)M * ng),
+    };
+    int failed = xq.q == NULL || xq.sx == NULL || xq.xs == NULL || xq.xc == NULL ? 2 : 0;
+    if (!failed)
+        for (int r = 0; r < M; r++)
+            quantize_row(a->x + (size_t)r * a->ldx, K, a->group, a->kind, xq.q + (size_t)r * K,
+                         xq.sx + (size_t)r * ng, xq.xs + (size_t)r * ng, xq.xc + (size_t)r * ng);
+    /* Row blocks: a block's quantized X within ~128 KiB of L2. */
+    int mc = (128 * 1024 / K) / I8_MR * I8_MR;
+    if (mc < I8_MR) mc = I8_MR;
+    const int num_row_blocks = (M + mc - 1) / mc, num_items = num_row_blocks * num_tiles;
+    int threads = 2.0 * M * a->N * K < 2e5 ? 1 : nthreads;
+    if (threads > num_items) threads = num_items;
+    int next = 0;
+    const size_t buf_bytes = (size_t)i8_slice(K, a->group) * NR;
+#pragma omp parallel num_threads(threads) if (!failed)
+    {
+        uint8_t *buf = aligned_alloc(64, buf_bytes);
+        float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
+        if (buf == NULL || cs == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        }
+        for (;;) {
+            int item;
+#pragma omp atomic capture
+            item = next++;
+            if (item >= num_items || buf == NULL || cs == NULL) break;
+            const int mb = item / num_tiles, q = item % num_tiles;
+            const int m0 = mb * mc, rows = M - m0 < mc ? M - m0 : mc;
+            i8_block(a, &xq, m0, rows, silu ? 2 * q : q, buf, cs);
+            if (silu) i8_block(a, &xq, m0, rows, 2 * q + 1, buf, cs + (size_t)rows * NR);
+            store_tile(a, m0, rows, q, cs, cs + (size_t)rows * NR);
+        }
+        free(buf);
+        free(cs);
+    }
+    free(xq.q), free(xq.sx), free(xq.xs), free(xq.xc);
+    return failed;
+}
+#endif
+
+/* xquant 1: X quantized to int8 per row and group (W8A8), in builds with tk_qgemm_int8().
+ * Returns 0, 1 on a bad argument, 2 if scratch memory could not be allocated. */
 int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *scale, const void *min, int sdtype,
              int group, const float *bias, void *y, long ldy, int ydtype, int M, int N, int K, int epilogue,
-             int nthreads) {
+             int xquant, int nthreads) {
     if (M < 0 || N <= 0 || K <= 0 || K % 32 || (kind != TK_Q8 && kind != TK_Q4) || group < 16 || group % 16 ||
         K % group || (sdtype != TK_F32 && sdtype != TK_F16) || (epilogue != EPI_NONE && epilogue != EPI_SILU_MUL) ||
-        ldx > 0x7fffffff)
+        ldx > 0x7fffffff || (xquant != 0 && (xquant != 1 || !TK_INT8_DOT || group > 512)))
         return 1;
     if (M == 0) return 0;
     const int silu = epilogue == EPI_SILU_MUL, num_tiles = (N + NR - 1) / NR;
@@ -362,6 +658,9 @@ int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *sca
         .K = K,
         .epilogue = epilogue,
     };
+#if TK_INT8_DOT
+    if (xquant) return qgemm_int8(&a, nthreads);
+#endif
     const double flops = 2.0 * M * N * K * (silu ? 2 : 1);
     int failed = 0;
     if (M <= FUSED_MAX_ROWS) {

@@ -82,6 +82,19 @@ class QuantizedWeight:
         return take_rows(self, index).dequantize()
 
 
+def quantize_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [..., K] float32 as the int8-activation GEMM computes with it, dequantized: per row and
+    group of ``group`` along K, q = round(x * (127 / a)) to nearest even with a = max |x| over
+    the group, times the scale a / 127 (zero where a is 0). The product is then
+    F.linear(quantize_activations(x, w.group), w.dequantize()), up to the order of additions."""
+    k = x.shape[-1]
+    g = x.float().reshape(-1, k // group, group)
+    a = g.abs().amax(dim=2, keepdim=True)
+    # a true division (``127.0 / a`` would be torch's reciprocal-then-multiply, an ulp away)
+    inv = torch.where(a > 0, torch.full_like(a, 127.0).div(a), torch.zeros_like(a))
+    return ((g * inv).round() * (a / 127.0)).reshape(x.shape)
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """uint8 values 0..15 [N, K] -> [N, K/2] in GGUF's order within each group of 32."""
     n, k = q.shape

@@ -35,7 +35,7 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
             int cdtype, int M, int N, int K, int epilogue, float *ws, const tk_lora *lora, int num_threads);
 int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *scale, const void *min, int sdtype,
              int group, const float *bias, void *y, long ldy, int ydtype, int M, int N, int K, int epilogue,
-             int nthreads);
+             int xquant, int nthreads);
 int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps,
                 int dtype, int num_threads);
 int tk_rope(void *qkv, long row_stride, const int64_t *positions, const float *cos_sin, int max_position, int rows,
@@ -59,6 +59,7 @@ typedef struct {
     int n; /* output columns (of the SiLU-and-multiply's result for a gate/up pair) */
     int k;
     int epilogue;
+    int xquant; /* quantized only: int8 activations (tk_qgemm's xquant) */
 } tk_linear;
 
 typedef struct {
@@ -77,7 +78,7 @@ typedef struct {
 static int linear(const tk_linear *l, const float *x, int M, float *y, int threads) {
     if (l->quantized)
         return tk_qgemm(x, l->k, l->kind, l->w, l->scale, l->min, l->sdtype, l->group, l->bias, y, l->n, TK_F32, M,
-                        l->n, l->k, l->epilogue, threads);
+                        l->n, l->k, l->epilogue, l->xquant, threads);
     return tk_gemm(x, l->k, TK_F32, l->w, l->kind, l->bias, y, l->n, TK_F32, M, l->n, l->k, l->epilogue, NULL, NULL,
                    threads);
 }
