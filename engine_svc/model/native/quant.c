@@ -358,8 +358,13 @@ static void quantize_row(const float *x, int K, int group, int kind, int8_t *q, 
         const float *xg = x + (size_t)g * group;
         vf amax = vzero();
         for (int k = 0; k < group; k += TK_VL) amax = vmax(amax, (vf)((vi)vload(xg + k) & 0x7fffffff));
-        float a = 0.0f;
-        for (int l = 0; l < TK_VL; l++) a = a > amax[l] ? a : amax[l];
+#if defined(__AVX512F__)
+        const float a = _mm512_reduce_max_ps((__m512)amax);
+#else
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128((__m256)amax), _mm256_extractf128_ps((__m256)amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#endif
         const float inv = a > 0.0f ? 127.0f / a : 0.0f;
         vi sum = (vi){0};
         for (int k = 0; k < group; k += TK_VL) {
@@ -376,8 +381,13 @@ static void quantize_row(const float *x, int K, int group, int kind, int8_t *q, 
 #endif
             sum += qi;
         }
-        int32_t total = 0;
-        for (int l = 0; l < TK_VL; l++) total += sum[l];
+#if defined(__AVX512F__)
+        const int32_t total = _mm512_reduce_add_epi32((__m512i)sum);
+#else
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128((__m256i)sum), _mm256_extracti128_si256((__m256i)sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+#endif
         sx[g] = a / 127.0f;
         xs[g] = sx[g] * (float)total;
         xc[g] = 128 * total;
@@ -587,21 +597,25 @@ static int qgemm_int8(const qargs *a, int nthreads) {
         .xs = malloc(sizeof(float) * (size_t)M * ng),
         .xc = malloc(sizeof(int32_t) * (size_t)M * ng),
     };
-    int failed = xq.q == NULL || xq.sx == NULL || xq.xs == NULL || xq.xc == NULL ? 2 : 0;
-    if (!failed)
-        for (int r = 0; r < M; r++)
-            quantize_row(a->x + (size_t)r * a->ldx, K, a->group, a->kind, xq.q + (size_t)r * K,
-                         xq.sx + (size_t)r * ng, xq.xs + (size_t)r * ng, xq.xc + (size_t)r * ng);
+    if (xq.q == NULL || xq.sx == NULL || xq.xs == NULL || xq.xc == NULL) {
+        free(xq.q), free(xq.sx), free(xq.xs), free(xq.xc);
+        return 2;
+    }
     /* Row blocks: a block's quantized X within ~128 KiB of L2. */
     int mc = (128 * 1024 / K) / I8_MR * I8_MR;
     if (mc < I8_MR) mc = I8_MR;
     const int num_row_blocks = (M + mc - 1) / mc, num_items = num_row_blocks * num_tiles;
     int threads = 2.0 * M * a->N * K < 2e5 ? 1 : nthreads;
     if (threads > num_items) threads = num_items;
-    int next = 0;
+    int next = 0, failed = 0;
     const size_t buf_bytes = (size_t)i8_slice(K, a->group) * NR;
-#pragma omp parallel num_threads(threads) if (!failed)
+#pragma omp parallel num_threads(threads)
     {
+#pragma omp for schedule(static)
+        for (int r = 0; r < M; r++)
+            quantize_row(a->x + (size_t)r * a->ldx, K, a->group, a->kind, xq.q + (size_t)r * K,
+                         xq.sx + (size_t)r * ng, xq.xs + (size_t)r * ng, xq.xc + (size_t)r * ng);
+        /* (the loop's barrier: every row is quantized before any tile reads it) */
         uint8_t *buf = aligned_alloc(64, buf_bytes);
         float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
         if (buf == NULL || cs == NULL) {
