@@ -156,10 +156,12 @@ def install_backend(
         num_packed = install_native_linears(model, kernels, dtype)
     elif matmuls == "onednn":
         num_packed = pack_linears(model, batch_size_hint)
-    if quantized_embeddings and kernels is not None:
-        install_quantized_embeddings(model, kernels, quantized_embeddings, dtype, batch_size_hint)
     if int8_activations:
-        quantize_activations(model, kernels)
+        quantize_activations(model, kernels)  # refused here where it cannot run, before the head is timed
+    if quantized_embeddings and kernels is not None:
+        install_quantized_embeddings(
+            model, kernels, quantized_embeddings, dtype, batch_size_hint, int8_activations=int8_activations
+        )
     if kernels is not None and device.type == "cpu":
         model.decode_stack = build_decode_stack(model, kernels)
     backend = ModelBackend(

@@ -65,12 +65,17 @@ class QuantizedHead(nn.Module):
     """Steps of up to ``narrow_rows`` rows on the quantized panels, wider ones on ``wide``;
     every step on the panels once ``wide`` is None."""
 
-    def __init__(self, kernels: NativeKernels, weight: QuantizedWeight, wide: nn.Module | None) -> None:
+    def __init__(
+        self, kernels: NativeKernels, weight: QuantizedWeight, wide: nn.Module | None, int8_activations: bool = False
+    ) -> None:
         super().__init__()
         self.kernels = kernels
         self.weight_p = kernels.qpack(weight)  # the kernel's panels (native/quant_pack.py)
         self.wide = wide
         self.narrow_rows = NARROW_ROWS
+        # --activation-quantization int8: the quantized head's rows quantized too (a wide
+        # step on a kept float head is not)
+        self.int8_activations = int8_activations
 
     def settle(self, dtype: torch.dtype, widest_rows: int, repeats: int = 3) -> str:
         """Time both heads (median of ``repeats``, rows of ``dtype``) at 2, 4, 8 ... rows up to
@@ -108,7 +113,8 @@ class QuantizedHead(nn.Module):
         return f"every step on the quantized blocks (the float head, no more than {WIDE_HEAD_GAIN}x faster, dropped)"
 
     def _narrow(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qgemm(x.contiguous() if x.stride(-1) != 1 else x, self.weight_p)
+        x = x.contiguous() if x.stride(-1) != 1 else x
+        return self.kernels.qgemm(x, self.weight_p, int8_activations=self.int8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide is not None and x.shape[0] > self.narrow_rows:
@@ -122,13 +128,15 @@ def install_quantized_embeddings(
     weights: dict[str, QuantizedWeight],
     dtype: torch.dtype,
     widest_rows: int,
+    int8_activations: bool = False,
 ) -> None:
     """Swap in place; call after the LM head is on its backend (the float head for wide
-    steps). ``widest_rows``: the most rows a step takes logits for, as far as is known."""
+    steps). ``widest_rows``: the most rows a step takes logits for, as far as is known;
+    ``int8_activations``: the quantized head's rows quantized to int8 (the head is timed so)."""
     head = None
     held: list[QuantizedWeight | PackedQuantWeight] = []  # the blocks kept, each once
     if "lm_head" in weights:
-        head = QuantizedHead(kernels, weights["lm_head"], model.lm_head)
+        head = QuantizedHead(kernels, weights["lm_head"], model.lm_head, int8_activations)
         model.add_module("lm_head", head)  # a module of another type
         held.append(head.weight_p)
     if "embed_tokens" in weights:

@@ -129,9 +129,9 @@ def install_quantized_linears(model: Transformer, kernels: NativeKernels, method
 def quantize_activations(model: nn.Module, kernels: NativeKernels | None) -> int:
     """``--activation-quantization int8``: every QuantizedLinear of ``model`` quantizes its
     input to int8 per row and group of its weight and sums by integer dot products
-    (``NativeKernels.qgemm``); returns how many. The LM head keeps float activations: its
-    error turns straight into token choices. Raises ValueError where the CPU has no int8
-    dot products or the model has no quantized layer to apply it to."""
+    (``NativeKernels.qgemm``); returns how many. (A GGUF file's quantized LM head takes them
+    too: ``install_quantized_embeddings``; a float head does not.) Raises ValueError where
+    the CPU has no int8 dot products or the model has no quantized layer to apply it to."""
     if kernels is None or not kernels.int8_dot_products:
         raise ValueError(
             "--activation-quantization int8 needs the native kernels on a CPU with AVX512-VNNI or AVX-VNNI "

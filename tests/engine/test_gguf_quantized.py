@@ -23,6 +23,8 @@ from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quan
 from engine_svc.model.gguf_weights import read_gguf_tensors
 from engine_svc.model.llama import ModelArgs
 from engine_svc.model.loader import build_model
+from engine_svc.model.native import load_kernels
+from engine_svc.model.native.quant import quantize_activations
 from engine_svc.model.quantized_embeddings import QuantizedEmbedding, QuantizedHead
 from engine_svc.model.quantized_layers import QuantizedLinear
 from engine_svc.types import SamplingParams
@@ -124,3 +126,37 @@ def test_the_engine_serves_the_blocks_and_matches_transformers_on_them(checkpoin
         _assert_same_or_near_tie(hf, prompt, result.output_token_ids, out[0, len(prompt) :].tolist())
     dequantized = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, quantization="none"))
     assert dequantized.runner.matmuls != "gguf"
+
+
+@pytest.mark.skipif(not (load_kernels() and load_kernels().int8_dot_products), reason="no int8 dot products")
+def test_int8_activations_on_the_blocks_match_transformers_with_quantized_inputs(checkpoint):
+    """--activation-quantization int8 on the file's blocks, the LM head's included: against
+    transformers on the same weights with each of those layers' input quantized per row and
+    group of 32 (every layer here is in groups of 32)."""
+    path, hf_dir, held = checkpoint
+    hf = load_hf_model(hf_dir)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and f"{name}.weight" in held:
+                module.weight.copy_(held[f"{name}.weight"])
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(lambda _m, args: (quantize_activations(args[0], 32),))
+    core = EngineCore(
+        EngineConfig(
+            model=str(path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64,
+            activation_quantization="int8",
+        )
+    )  # fmt: skip
+    model = core.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 8 and all(m.int8_activations for m in layers)
+    assert isinstance(model.lm_head, QuantizedHead) and model.lm_head.int8_activations
+    model.lm_head.wide = None  # every step on the blocks, whatever the timing at load chose
+    prompts = _prompts(5)[::3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompt, result in zip(prompts, core.generate(prompts, params)):
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
+            )
+        _assert_same_or_near_tie(hf, prompt, result.output_token_ids, out[0, len(prompt) :].tolist())
