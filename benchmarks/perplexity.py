@@ -6,7 +6,7 @@
 Each ``--quantization`` value is one engine (``--quantization`` as the engine takes it:
 on a GGUF file ``none`` is its weights dequantized to float32, ``auto`` its blocks as they
 are, ``int8`` / ``int4`` the dequantized weights quantized again at load; ``+a8`` adds
-``--activation-quantization int8``). The text is
+``--activation-quantization int8``, ``+a32`` ``none``). The text is
 tokenized with the model's tokenizer and cut into windows of ``--window`` tokens; the
 perplexity is exp of the mean negative log-likelihood of every token after the first of
 each window (the engine's prompt logprobs, float32). Prints one line per format and its
@@ -24,6 +24,10 @@ from pathlib import Path
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.types import SamplingParams
+
+# A value's suffix: ``+a8`` int8 activations, ``+a32`` float32 ones, none: the engine's
+# default (``auto``: int8 where the checkpoint declares them).
+ACTIVATIONS = {"": "auto", "a8": "int8", "a32": "none"}
 
 
 def windows(token_ids: list[int], size: int) -> list[list[int]]:
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             dtype="float32",
             quantization=weights,
-            activation_quantization="int8" if a8 == "a8" else "none",
+            activation_quantization=ACTIVATIONS[a8],
             num_kv_blocks=512,
         )
         core = EngineCore(config)

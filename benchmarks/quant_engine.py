@@ -6,7 +6,7 @@
 
 Each ``--quantization`` value is one engine (``auto``: a GGUF file's blocks or a GPTQ / AWQ
 / compressed-tensors checkpoint's integers as they are; ``none``: dequantized to float32 at
-load; ``+a8`` adds ``--activation-quantization int8``, e.g. ``auto+a8``), in its own process so
+load; ``+a8`` adds ``--activation-quantization int8``, e.g. ``auto+a8``, ``+a32`` ``none``), in its own process so
 that its resident memory is its own. Per batch size, that
 many requests of ``--prompt-len`` random ids (seeded) arrive at once and each decodes
 ``--max-tokens`` tokens (greedy, ignore_eos); the figure is output tokens per second of
@@ -26,6 +26,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# A value's suffix: ``+a8`` int8 activations, ``+a32`` float32 ones, none: the engine's
+# default (``auto``: int8 where the checkpoint declares them).
+ACTIVATIONS = {"": "auto", "a8": "int8", "a32": "none"}
 
 
 def _rss_mib() -> float:
@@ -77,7 +81,7 @@ def run_one(args) -> dict:
         EngineConfig(
             model=args.model, dtype="float32", quantization=weights, num_kv_blocks=args.kv_blocks,
             max_num_seqs=max(args.batch), max_num_batched_tokens=args.max_num_batched_tokens,
-            activation_quantization="int8" if a8 == "a8" else "none",
+            activation_quantization=ACTIVATIONS[a8],
         )
     )  # fmt: skip
     load_s = time.perf_counter() - t0

@@ -15,10 +15,14 @@ What loads (``config.json``'s ``quantization_config``):
                          per row), sym or not, checkpoint_format  permuted g_idx (kept quantized;
                          gptq (v1) or gptq_v2                     ``--quantization none`` serves it)
     awq                  bits 4, version gemm, zero_point         gemv / marlin / exllama layouts
-    compressed-tensors   W4A16 / W8A16: format pack-quantized     activation quantization (W8A8,
-                         (4 or 8 bits) or naive / int-quantized   W4A8, FP8), float types,
-                         (int8); symmetric int weights; strategy  asymmetric weights, act-order,
-                         group, channel or tensor                 sparsity, KV-cache schemes
+    compressed-tensors   W4A16 / W8A16: format pack-quantized     static or float activation
+                         (4 or 8 bits) or naive / int-quantized   scales (input_scale, FP8),
+                         (int8); symmetric int weights; strategy  output activations, float
+                         group, channel or tensor; W8A8 / W4A8:   types, asymmetric weights,
+                         the same weights with dynamic symmetric  act-order, sparsity, KV-cache
+                         int8 input activations (per token or     schemes
+                         tensor): served with int8 activations
+                         (``--activation-quantization``)
 
 Layers the model cannot hold quantized (the LM head, MoE experts) and, with
 ``--quantization none`` or without the native kernels, every layer, are dequantized at load
@@ -58,10 +62,13 @@ class QuantScheme:
     group: int  # -1: one group a row
     zero_plus_one: bool = False  # GPTQ's v1 checkpoint format: stored zeros are z - 1
     packed: bool = True  # compressed-tensors: int32 words (pack-quantized), else int8 (naive)
+    # compressed-tensors W8A8 / W4A8: the checkpoint quantizes its layers' inputs to int8
+    # (dynamic, symmetric), which the engine serves as its own int8 activations
+    int8_activations: bool = False
 
     def describe(self) -> str:
         group = "per channel" if self.group == -1 else f"groups of {self.group}"
-        return f"{self.method} {self.bits}-bit, {group}"
+        return f"{self.method} {self.bits}-bit, {group}{', int8 activations' if self.int8_activations else ''}"
 
 
 def _refuse(what: str) -> UnsupportedQuantization:
@@ -125,9 +132,9 @@ def _compressed(qc: dict) -> QuantScheme:
 def _compressed_group(name: str, group: dict, default_format: str | None) -> QuantScheme:
     w = group.get("weights") or {}
     what = f"compressed-tensors config_groups.{name}"
-    for side in ("input_activations", "output_activations"):
-        if group.get(side):
-            raise _refuse(f"{what}.{side}: activation quantization is not supported; weight-only (W4A16, W8A16) is")
+    if group.get("output_activations"):
+        raise _refuse(f"{what}.output_activations: output quantization is not supported")
+    int8_activations = _int8_activations(group.get("input_activations"), what)
     fmt = str(group.get("format") or default_format or "").lower()
     bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy", "group")
     if fmt not in _COMPRESSED_FORMATS:
@@ -145,7 +152,24 @@ def _compressed_group(name: str, group: dict, default_format: str | None) -> Qua
     if strategy not in ("group", "channel", "tensor"):
         raise _refuse(f"{what}.weights.strategy {strategy!r} is not supported; supported: group, channel, tensor")
     group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
-    return QuantScheme("compressed-tensors", int(bits), group_size, packed=fmt == "pack-quantized")
+    return QuantScheme(
+        "compressed-tensors", int(bits), group_size, packed=fmt == "pack-quantized", int8_activations=int8_activations
+    )
+
+
+def _int8_activations(a: dict | None, what: str) -> bool:
+    """Whether a config group quantizes its inputs the way the engine's int8 activations do
+    (dynamic, symmetric int8, per token or tensor: the engine's per-group scales are finer);
+    anything else is refused by name."""
+    if not a:
+        return False
+    spec = (a.get("type", "int"), a.get("num_bits"), bool(a.get("dynamic")), a.get("symmetric", True))
+    if spec != ("int", 8, True, True) or a.get("strategy", "token") not in ("token", "tensor"):
+        raise _refuse(
+            f"{what}.input_activations {a!r} is not supported; supported: dynamic symmetric int8 per token or "
+            "tensor (W8A8, W4A8), or none (W4A16, W8A16)"
+        )
+    return True
 
 
 # -- which tensors make up a quantized module ---------------------------------------------

@@ -71,7 +71,7 @@ class ModelRunner:
         batch_size_hint: int = 64,
         max_num_seqs: int = 128,
         quantization: str | None = None,
-        activation_quantization: str = "none",
+        activation_quantization: str = "auto",
         lora_slots: int = 0,
         max_lora_rank: int = 16,
         draft_model: str | None = None,
@@ -112,7 +112,7 @@ class ModelRunner:
         kernels: str,
         batch_size_hint: int,
         quantization: str | None,
-        activation_quantization: str = "none",
+        activation_quantization: str = "auto",
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
         """Weights on the device, their layers on the backend ``backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load

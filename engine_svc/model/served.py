@@ -21,7 +21,8 @@ from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quan
 from engine_svc.model.hf_quantized import quantization_scheme
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import load_model, quantized_linears, read_config
-from engine_svc.model.native.quant import QuantizedWeight
+from engine_svc.model.native.kernels import INT8_ACTIVATION_MAX_GROUP
+from engine_svc.model.native.quant import QuantizedWeight, with_groups_of_at_most
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,18 @@ def load_served_model(
     dtype: torch.dtype,
     batch_size_hint: int,
     quantization: str | None,
-    activation_quantization: str = "none",
+    activation_quantization: str = "auto",
 ) -> tuple[Transformer, ModelArgs, ModelBackend]:
     """Weights on the device, their layers on the backend ``backend.py`` chooses.
     ``build`` is the native kernels' build, started before the weights load so that
     the two overlap; ``quantization`` is ``--quantization``, ``activation_quantization``
     ``--activation-quantization``."""
-    prequantized, source = _prequantized(model_dir, build, quantization)
+    prequantized, source, declared = _prequantized(model_dir, build, quantization)
+    int8_activations = _int8_activations(activation_quantization, declared, build)
+    if int8_activations and prequantized:
+        # Per-channel scales repeated over groups of 32: the values stay, the activations
+        # get a scale per group (quant.c's int8 path takes groups of up to 512).
+        prequantized = {name: with_groups_of_at_most(w, INT8_ACTIVATION_MAX_GROUP) for name, w in prequantized.items()}
     model, args = load_model(model_dir, device, dtype, kept_modules=prequantized or ())
     gguf_path = gguf_source(model_dir)
     embeddings = read_quantized_embeddings(gguf_path, args) if prequantized and gguf_path else None
@@ -56,7 +62,7 @@ def load_served_model(
         prequantized=prequantized,
         prequantized_source=source,
         quantized_embeddings=embeddings,
-        int8_activations=activation_quantization == "int8",
+        int8_activations=int8_activations,
     )
     close_gguf()  # every weight is copied out of the file by now
     return model, args, backend
@@ -76,20 +82,40 @@ def return_freed_heap() -> None:
 
 def _prequantized(
     model_dir: str, build: KernelBuild, quantization: str | None
-) -> tuple[dict[str, QuantizedWeight] | None, str]:
-    """A quantized checkpoint's layers as they are, and what kind it is: a GGUF file's
-    blocks, or a GPTQ / AWQ / compressed-tensors directory's integers (``--quantization
-    auto``, the default, where the native kernels run; read first, so those layers are
-    never dequantized); else None, and its weights are dequantized at load. A format the
-    engine cannot serve is refused here, by name."""
+) -> tuple[dict[str, QuantizedWeight] | None, str, bool]:
+    """A quantized checkpoint's layers as they are, what kind it is, and whether it declares
+    int8 activations (compressed-tensors W8A8 / W4A8): a GGUF file's blocks, or a GPTQ /
+    AWQ / compressed-tensors directory's integers (``--quantization auto``, the default,
+    where the native kernels run; read first, so those layers are never dequantized); else
+    None, and its weights are dequantized at load. A format the engine cannot serve is
+    refused here, by name."""
     gguf_path = gguf_source(model_dir)
     scheme = quantization_scheme(read_config(model_dir)) if gguf_path is None else None
+    declared = scheme is not None and scheme.int8_activations
     if (gguf_path is None and scheme is None) or quantization not in (None, "auto"):
-        return None, ""
+        return None, "", declared
     source = "gguf" if scheme is None else scheme.method
     if build.result() is None:  # waits for the kernels: the quantized GEMM is theirs
         logger.info("%s weights dequantized to the serving dtype: the quantized GEMM needs native kernels", source)
-        return None, ""
+        return None, "", declared
     if gguf_path is not None:
-        return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir))), source
-    return quantized_linears(model_dir), source
+        return read_quantized_linears(gguf_path, ModelArgs.from_hf_config(read_config(model_dir))), source, declared
+    return quantized_linears(model_dir), source, declared
+
+
+def _int8_activations(wanted: str, declared: bool, build: KernelBuild) -> bool:
+    """``--activation-quantization``: ``int8`` on (refused later where it cannot run),
+    ``none`` off, ``auto`` where the checkpoint declares int8 activations and this CPU has
+    int8 dot products (else float activations: the same weights, a little more exact)."""
+    if wanted != "auto":
+        return wanted == "int8"
+    if not declared:
+        return False
+    kernels = build.result()
+    if kernels is None or not kernels.int8_dot_products:
+        logger.info(
+            "the checkpoint declares int8 activations; this engine computes with float activations instead "
+            "(int8 dot products need the native kernels on a CPU with AVX512-VNNI or AVX-VNNI)"
+        )
+        return False
+    return True

@@ -20,6 +20,8 @@ from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.model.loader import quantized_linears
 from engine_svc.model.native import load_kernels
+from engine_svc.model.native.kernels import INT8_ACTIVATION_MAX_GROUP
+from engine_svc.model.native.quant import quantize_activations, quantize_int8, with_groups_of_at_most
 from engine_svc.model.quantized_layers import QuantizedLinear
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import _assert_same_or_near_tie, _prompts
@@ -275,10 +277,15 @@ def test_act_order_is_refused_quantized_and_served_dequantized(float_dir, tmp_pa
         (FORMATS[2], lambda qc: qc.update(version="gemv"), "AWQ version 'gemv' is not supported; supported: gemm"),
         (FORMATS[0], lambda qc: qc.update(bits=3), "GPTQ bits 3 is not supported; supported: 4, 8"),
         (FORMATS[0], lambda qc: qc.update(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
-        (
+        (  # static activation scales (input_scale tensors): not what int8 activations compute
             FORMATS[3],
             lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int"}),
-            "group_0.input_activations: activation quantization is not supported",
+            "group_0.input_activations {'num_bits': 8, 'type': 'int'} is not supported; supported: dynamic",
+        ),
+        (
+            FORMATS[3],
+            lambda qc: qc["config_groups"]["group_0"].update(output_activations={"num_bits": 8, "type": "int"}),
+            "group_0.output_activations: output quantization is not supported",
         ),
         (
             FORMATS[3],
@@ -297,3 +304,44 @@ def test_what_cannot_be_served_is_refused_at_start_by_name(float_dir, tmp_path, 
     write_quantized(float_dir, path, fmt, lambda c: edit(c["quantization_config"]))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _engine(path)
+
+
+W8A8_INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+
+
+@pytest.mark.parametrize("activations", ["auto", "none"])
+def test_w8a8_checkpoints_serve_with_int8_activations(float_dir, tmp_path, activations):
+    """compressed-tensors W8A8 (int8 weights per channel, dynamic int8 inputs per token): the
+    weights as they are, the inputs quantized by the engine (per row and group of 32, the
+    channel scales repeated over groups), where the CPU has int8 dot products; against
+    transformers on the same weights with each layer's input quantized the same way. With
+    ``--activation-quantization none``, float activations on the same weights."""
+    fmt = FORMATS[4]  # 8 bits, per channel
+    path = tmp_path / "model"
+    edit = lambda c: c["quantization_config"]["config_groups"]["group_0"].update(input_activations=W8A8_INPUTS)  # noqa: E731
+    reference = write_quantized(float_dir, path, fmt, edit)
+    kernels = load_kernels()
+    on = activations == "auto" and kernels is not None and kernels.int8_dot_products
+    core = _engine(path, max_num_batched_tokens=64, activation_quantization=activations)
+    layers = [m for m in core.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 8 and all(m.int8_activations == on for m in layers)
+    # a row's one group where it is at most 512 wide (the int8 path's widest), else groups of 32
+    assert all(m.weight_p.group == _a8_group(m.weight_p.in_features, on) for m in layers)
+    hf = _hf_on(float_dir, reference)
+    if on:
+        for name, module in hf.named_modules():
+            if isinstance(module, nn.Linear) and f"{name}.weight" in reference:
+                group = _a8_group(module.in_features, on)
+                module.register_forward_pre_hook(lambda _m, args, g=group: (quantize_activations(args[0], g),))
+    _greedy_matches(core, hf)
+
+
+def _a8_group(k: int, on: bool) -> int:
+    return 32 if on and k > INT8_ACTIVATION_MAX_GROUP else k
+
+
+def test_wide_channel_groups_become_groups_of_32_for_int8_activations():
+    w = quantize_int8(torch.randn(8, 1024), 1024)
+    narrow = with_groups_of_at_most(w, INT8_ACTIVATION_MAX_GROUP)
+    assert narrow.group == 32 and torch.equal(narrow.dequantize(), w.dequantize())
+    assert with_groups_of_at_most(narrow, INT8_ACTIVATION_MAX_GROUP) is narrow

@@ -164,6 +164,14 @@ def relayout(w: QuantizedWeight, bits: int, group: int, with_min: bool) -> Quant
     )
 
 
+def with_groups_of_at_most(w: QuantizedWeight, most: int) -> QuantizedWeight:
+    """The same weight with groups of 32 (16 where 32 does not divide them) if its own are
+    wider than ``most``: every scale and min repeated, no value changed."""
+    if w.group <= most:
+        return w
+    return relayout(w, w.bits, 32 if w.group % 32 == 0 else 16, w.min is not None)
+
+
 def as_int8(w: QuantizedWeight, group: int) -> QuantizedWeight:
     """The same weight in the int8 layout with groups of ``group``."""
     return w if w.bits == 8 and w.group == group else relayout(w, 8, group, w.min is not None)
