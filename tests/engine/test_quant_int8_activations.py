@@ -149,3 +149,16 @@ def test_builds_without_int8_dots_and_wide_groups_are_refused(build_dir):
             continue
         with pytest.raises(ValueError, match="groups of at most 512"):
             k.qgemm(x, k.qpack(wide), int8_activations=True)
+
+
+def test_a_nan_or_infinity_in_a_row_spoils_that_row_alone(kernels):
+    """As in F.linear, where a float row would: the row's results are NaN, the others exact."""
+    qw = quantize_int4(torch.randn(64, 576) * 0.1)
+    packed = kernels.qpack(qw)
+    for rows in (3, 16):  # one micro-tile, several
+        x = torch.randn(rows, 576)
+        x[1, 100] = float("nan")
+        x[0, 7] = float("inf")
+        got = kernels.qgemm(x, packed, int8_activations=True)
+        assert got[:2].isnan().all()
+        _assert_w8a8(got[2:], x[2:], qw, f"{rows} rows")

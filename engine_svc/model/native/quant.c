@@ -317,7 +317,8 @@ static void block_times_qpanel(const qargs *a, int m0, int rows, int p, float *b
 #endif
 
 /* X's rows quantized, per row and group of K (the weight's groups): q = round(x * 127 / a),
- * a = max |x| over the group, to nearest even; the group's scale is a / 127 (0 where a is 0).
+ * a = max |x| over the group, to nearest even; the group's scale is a / 127 (0 where a is 0,
+ * NaN where the group holds a NaN or an infinity).
  *   q    int8 [M][K], the 8 k of each aligned run in the order the weights' quads take them:
  *        natural for 8-bit weights, k + 0, 2, 4, 6, 1, 3, 5, 7 for 4-bit ones
  *   sx   [M][ng] the scales
@@ -356,15 +357,20 @@ static void quantize_row(const float *x, int K, int group, int kind, int8_t *q, 
 #endif
     for (int g = 0; g < K / group; g++) {
         const float *xg = x + (size_t)g * group;
-        vf amax = vzero();
-        for (int k = 0; k < group; k += TK_VL) amax = vmax(amax, (vf)((vi)vload(xg + k) & 0x7fffffff));
+        vf amax = vzero(), bad = vzero(); /* bad: NaN where some x is NaN or infinite */
+        for (int k = 0; k < group; k += TK_VL) {
+            const vf v = vload(xg + k);
+            amax = vmax(amax, (vf)((vi)v & 0x7fffffff));
+            bad += v - v;
+        }
 #if defined(__AVX512F__)
-        const float a = _mm512_reduce_max_ps((__m512)amax);
+        float a = _mm512_reduce_max_ps((__m512)amax);
 #else
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128((__m256)amax), _mm256_extractf128_ps((__m256)amax, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        float a = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
+        if (vhsum(bad) != 0.0f) a = NAN; /* the group's scale NaN: so are the row's results, as in F.linear */
         const float inv = a > 0.0f ? 127.0f / a : 0.0f;
         vi sum = (vi){0};
         for (int k = 0; k < group; k += TK_VL) {
@@ -502,6 +508,66 @@ static inline __attribute__((always_inline)) void i8_tile(const int mr, const in
     }
 }
 
+/* Few rows (one micro-tile): the weights go from the panel to VPDPBUSD in registers, with
+ * no buffer between. */
+static inline __attribute__((always_inline)) void i8_tile_direct(const int mr, const int q8, const int has_min,
+                                                                 const qargs *a, const xquant *xq, int r, int p,
+                                                                 float *cs) {
+    vf acc[I8_MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = vzero();
+    const size_t sb = (size_t)p * a->ng * NR;
+    const uint8_t *qp = a->qs + (size_t)p * a->panel_qbytes;
+    const int8_t *xr = xq->q + (size_t)r * a->K;
+    for (int g = 0; g < a->ng; g++) {
+        vi isum[I8_MR][2];
+        for (int i = 0; i < mr; i++) isum[i][0] = isum[i][1] = (vi){0};
+        for (int k = g * a->group; k < (g + 1) * a->group; k += 8) {
+            vi w[4]; /* quads k .. k + 3 and k + 4 .. k + 7 of the slice's order */
+            if (q8) {
+                const uint8_t *b = qp + (size_t)k * NR;
+                __builtin_prefetch(b + PF_BYTES, 0, 3);
+                __builtin_prefetch(b + PF_BYTES + 2 * NR, 0, 3);
+                __builtin_prefetch(b + PF_BYTES + 4 * NR, 0, 3);
+                __builtin_prefetch(b + PF_BYTES + 6 * NR, 0, 3);
+                bytes_transpose(b, NR, w);
+                bytes_transpose(b + 4 * NR, NR, w + 2);
+                for (int h = 0; h < 4; h++) w[h] ^= (int32_t)0x80808080;
+            } else {
+                const uint8_t *b = qp + (size_t)(k / 2) * NR;
+                __builtin_prefetch(b + PF_BYTES, 0, 3);
+                __builtin_prefetch(b + PF_BYTES + 2 * NR, 0, 3);
+                vi t[2];
+                bytes_transpose(b, NR, t);
+                w[0] = t[0] & 0x0f0f0f0f, w[1] = t[1] & 0x0f0f0f0f;
+                w[2] = (t[0] >> 4) & 0x0f0f0f0f, w[3] = (t[1] >> 4) & 0x0f0f0f0f;
+            }
+            for (int i = 0; i < mr; i++) {
+                int32_t quad[2];
+                memcpy(quad, xr + (size_t)i * a->K + k, 8);
+                const vi x0 = vbcast_i32(quad[0]), x1 = vbcast_i32(quad[1]);
+                isum[i][0] = vdot_u8s8(isum[i][0], w[0], x0);
+                isum[i][1] = vdot_u8s8(isum[i][1], w[1], x0);
+                isum[i][0] = vdot_u8s8(isum[i][0], w[2], x1);
+                isum[i][1] = vdot_u8s8(isum[i][1], w[3], x1);
+            }
+        }
+        vf s[2], m[2];
+        group_vectors(a->scale, a->sdtype, sb + (size_t)g * NR, s);
+        if (has_min) group_vectors(a->min, a->sdtype, sb + (size_t)g * NR, m);
+        for (int i = 0; i < mr; i++) {
+            const size_t at = (size_t)(r + i) * a->ng + g;
+            const vf sx = vbcast(xq->sx[at]);
+            for (int h = 0; h < 2; h++) {
+                const vi sum = q8 ? isum[i][h] - vbcast_i32(xq->xc[at]) : isum[i][h];
+                acc[i][h] += __builtin_convertvector(sum, vf) * (s[h] * sx);
+                if (has_min) acc[i][h] += m[h] * vbcast(xq->xs[at]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) vstore(cs + i * NR + h * TK_VL, acc[i][h]);
+}
+
 /* A literal row count and layout per call: the sums stay in registers, the fold does only
  * what the weight's layout needs. */
 #define I8_ROWS(q8, has_min)                                                                      \
@@ -538,6 +604,37 @@ static void i8_rows(const qargs *a, const xquant *xq, int r, int rows, int p, in
     }
 }
 
+#define I8_DIRECT(q8, has_min)                                                                    \
+    static void i8_direct_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, float *cs) { \
+        switch (rows) {                                                                           \
+        I8_DIRECT_CASES(q8, has_min)                                                              \
+        case 3: i8_tile_direct(3, q8, has_min, a, xq, r, p, cs); break;                           \
+        case 2: i8_tile_direct(2, q8, has_min, a, xq, r, p, cs); break;                           \
+        default: i8_tile_direct(1, q8, has_min, a, xq, r, p, cs); break;                          \
+        }                                                                                         \
+    }
+#if I8_MR == 6
+#define I8_DIRECT_CASES(q8, has_min)                                        \
+    case 6: i8_tile_direct(6, q8, has_min, a, xq, r, p, cs); break;         \
+    case 5: i8_tile_direct(5, q8, has_min, a, xq, r, p, cs); break;         \
+    case 4: i8_tile_direct(4, q8, has_min, a, xq, r, p, cs); break;
+#else
+#define I8_DIRECT_CASES(q8, has_min)
+#endif
+I8_DIRECT(0, 0)
+I8_DIRECT(0, 1)
+I8_DIRECT(1, 0)
+I8_DIRECT(1, 1)
+
+/* cs [rows][NR] = quantized X[r..r+rows) @ panel p, rows <= I8_MR, the whole of K. */
+static void i8_direct(const qargs *a, const xquant *xq, int r, int rows, int p, float *cs) {
+    if (a->kind == TK_Q8) {
+        (a->min ? i8_direct_11 : i8_direct_10)(a, xq, r, rows, p, cs);
+    } else {
+        (a->min ? i8_direct_01 : i8_direct_00)(a, xq, r, rows, p, cs);
+    }
+}
+
 /* K per slice of the integer path: whole groups, about 512 k (16 KiB of buf on AVX512). */
 static inline int i8_slice(int K, int group) {
     const int kc = group >= 512 ? group : 512 / group * group;
@@ -546,6 +643,10 @@ static inline int i8_slice(int K, int group) {
 
 /* cs [rows][NR] = quantized X[m0..m0+rows) @ panel p, a K slice at a time through buf. */
 static void i8_block(const qargs *a, const xquant *xq, int m0, int rows, int p, uint8_t *buf, float *cs) {
+    if (rows <= I8_MR) { /* one micro-tile: no buffer, each weight converted once anyway */
+        i8_direct(a, xq, m0, rows, p, cs);
+        return;
+    }
     const int kcs = i8_slice(a->K, a->group);
     for (int k0 = 0; k0 < a->K; k0 += kcs) {
         const int kc = a->K - k0 < kcs ? a->K - k0 : kcs;
