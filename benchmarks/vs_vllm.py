@@ -167,7 +167,7 @@ def run_tandem(args, workload: list[dict], shape: ModelShape) -> dict:
 
     argv = ["--model", args.model, "--dtype", args.tandem_dtype or args.dtype, "--kernels", args.kernels,
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--kv-cache-bytes", str(2 << 30)]  # fmt: skip
+            "--kv-cache-bytes", str(2 << 30), *args.tandem_arg]  # fmt: skip
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig.from_args(build_parser().parse_args(argv)))
     core.warmup()
@@ -187,6 +187,7 @@ def run_tandem(args, workload: list[dict], shape: ModelShape) -> dict:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kernels": runner.kernels.isa if runner.kernels else None,
         "matmuls": runner.matmuls,
+        "engine_args": args.tandem_arg,
         "num_requests": len(workload),
         "num_output_tokens": num_output,
         "num_cached_prompt_tokens": sum(c.num_cached_tokens for c in results),
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="extra environment for vLLM")
     p.add_argument("--vllm-timeout", type=float, default=3600)
     p.add_argument("--skip-vllm", action="store_true", help="Tandem only (no ratio)")
+    p.add_argument("--tandem-arg", action="append", default=[], metavar="ARG",
+                   help="extra engine argument (repeat; e.g. =--activation-quantization then =int8)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not args.skip_vllm and not args.python:

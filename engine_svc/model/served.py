@@ -43,7 +43,7 @@ def load_served_model(
     the two overlap; ``quantization`` is ``--quantization``, ``activation_quantization``
     ``--activation-quantization``."""
     prequantized, source, declared = _prequantized(model_dir, build, quantization)
-    int8_activations = _int8_activations(activation_quantization, declared, build)
+    int8_activations = _int8_activations(activation_quantization, declared, prequantized is not None, build)
     if int8_activations and prequantized:
         # Per-channel scales repeated over groups of 32: the values stay, the activations
         # get a scale per group (quant.c's int8 path takes groups of up to 512).
@@ -103,19 +103,21 @@ def _prequantized(
     return quantized_linears(model_dir), source, declared
 
 
-def _int8_activations(wanted: str, declared: bool, build: KernelBuild) -> bool:
+def _int8_activations(wanted: str, declared: bool, kept: bool, build: KernelBuild) -> bool:
     """``--activation-quantization``: ``int8`` on (refused later where it cannot run),
-    ``none`` off, ``auto`` where the checkpoint declares int8 activations and this CPU has
-    int8 dot products (else float activations: the same weights, a little more exact)."""
+    ``none`` off, ``auto`` where the checkpoint declares int8 activations, its layers are
+    ``kept`` quantized and this CPU has int8 dot products (else float activations: the same
+    weights, a little more exact)."""
     if wanted != "auto":
         return wanted == "int8"
     if not declared:
         return False
     kernels = build.result()
-    if kernels is None or not kernels.int8_dot_products:
+    if not kept or kernels is None or not kernels.int8_dot_products:
         logger.info(
             "the checkpoint declares int8 activations; this engine computes with float activations instead "
-            "(int8 dot products need the native kernels on a CPU with AVX512-VNNI or AVX-VNNI)"
+            "(int8 dot products need its layers kept quantized on the native kernels, on a CPU with "
+            "AVX512-VNNI or AVX-VNNI)"
         )
         return False
     return True

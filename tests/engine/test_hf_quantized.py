@@ -309,6 +309,14 @@ def test_what_cannot_be_served_is_refused_at_start_by_name(float_dir, tmp_path, 
 W8A8_INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 
 
+def test_a_w8a8_checkpoint_dequantized_serves_float_activations(float_dir, tmp_path):
+    edit = lambda c: c["quantization_config"]["config_groups"]["group_0"].update(input_activations=W8A8_INPUTS)  # noqa: E731
+    reference = write_quantized(float_dir, tmp_path / "model", FORMATS[4], edit)
+    core = _engine(tmp_path / "model", quantization="none")  # auto: nothing quantized to take int8 rows
+    assert not any(isinstance(m, QuantizedLinear) for m in core.runner.model.modules())
+    _greedy_matches(core, _hf_on(float_dir, reference))
+
+
 @pytest.mark.parametrize("activations", ["auto", "none"])
 def test_w8a8_checkpoints_serve_with_int8_activations(float_dir, tmp_path, activations):
     """compressed-tensors W8A8 (int8 weights per channel, dynamic int8 inputs per token): the
