@@ -18,8 +18,9 @@ bfloat16 themselves when asked to serve that.
 ``--w8a8`` writes the linear layers (not the embedding and LM head) as compressed-tensors
 W8A8, the int8 scheme vLLM's CPU build runs: int8 weights with one float32 scale per
 output row (symmetric, round to nearest), int8 activations quantized per token at run
-time (format ``int-quantized``). Tandem refuses that scheme at start (weight-only only);
-it is for measuring vLLM's int8 path on the same weights.
+time (format ``int-quantized``): one checkpoint both engines serve, vLLM with bfloat16
+activations quantized per token, Tandem keeping the integers with its own int8
+activations (per group of 32 along K) where the CPU has int8 dot products.
 """
 
 from __future__ import annotations

@@ -373,12 +373,11 @@ def test_gguf_to_hf_writes_the_gguf_weights_bit_for_bit(smollm2_gguf, tmp_path):
         assert torch.equal(written[name], value), name
 
 
-def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_is_refused_by_name(smollm2_gguf, tmp_path):
+def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_loads_with_int8_activations(smollm2_gguf, tmp_path):
     from safetensors.torch import load_file
 
     from benchmarks.gguf_to_hf import to_w8a8, write_hf_dir
     from engine_svc.model.hf_quantized import quantization_scheme
-    from engine_svc.model.native.quant_hf import UnsupportedQuantization
 
     out = write_hf_dir(smollm2_gguf, tmp_path / "hf")
     floats = load_file(out / "model.safetensors")
@@ -389,5 +388,5 @@ def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_is_refused_by_name(smollm2_
     assert q.abs().amax(dim=1).eq(127).all()  # each row's largest weight on the grid's end
     assert (q.float() * scale - floats[name]).abs().le(scale / 2 + 1e-7).all()  # round to nearest
     assert torch.equal(written["model.embed_tokens.weight"], floats["model.embed_tokens.weight"])
-    with pytest.raises(UnsupportedQuantization, match="activation quantization"):
-        quantization_scheme(json.loads((out / "config.json").read_text()))
+    scheme = quantization_scheme(json.loads((out / "config.json").read_text()))
+    assert scheme is not None and (scheme.bits, scheme.group, scheme.int8_activations) == (8, -1, True)
