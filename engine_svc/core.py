@@ -74,6 +74,7 @@ class EngineCore:
             block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks,
             kv_cache_bytes=config.kv_cache_bytes,  # both None: sized from the model
+            kv_cache_dtype=config.kv_cache_dtype,
             max_model_len=config.max_model_len,
             seed=config.seed,
             kernels=config.kernels,

@@ -11,10 +11,10 @@ Python around them costs about as much as the kernels. ``tk_decode_stack`` calls
 kernels with the same arguments in the same order, so its output is bit for bit the
 module path's (tests/engine/test_decode_stack.py).
 
-It takes what its C code implements and nothing else: float32 activations and caches,
-Llama-shaped layers (pre-norm, fused qkv, full RoPE, no q/k norm, no sliding window, a
-SiLU-and-multiply MLP) on the native kernels, with packed float32 or quantized linear
-layers, and no LoRA adapters (``LoraSlots`` takes it out). Any other model, or a step with
+It takes what its C code implements and nothing else: float32 activations (the caches
+float32 or bfloat16), Llama-shaped layers (pre-norm, fused qkv, full RoPE, no q/k norm, no
+sliding window, a SiLU-and-multiply MLP) on the native kernels, with packed float32 or
+quantized linear layers, and no LoRA adapters (``LoraSlots`` takes it out). Any other model, or a step with
 prefill rows, takes the module path.
 """
 
@@ -30,7 +30,7 @@ from engine_svc.model.attention.native import NativeDecode
 from engine_svc.model.layers import MLP, Attention
 from engine_svc.model.llama import DecoderLayer, Transformer
 from engine_svc.model.native import NativeKernels
-from engine_svc.model.native.kernels import EPILOGUE_NONE, EPILOGUE_SILU_MUL, SCALE_CODES, KernelError
+from engine_svc.model.native.kernels import DTYPE_CODES, EPILOGUE_NONE, EPILOGUE_SILU_MUL, SCALE_CODES, KernelError
 from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
 from engine_svc.model.quantized_layers import QuantizedLinear
 
@@ -56,7 +56,7 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [
         ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I), ("block_size", _I),
-        ("max_position", _I), ("eps", _F), ("scale", _F),
+        ("max_position", _I), ("eps", _F), ("scale", _F), ("kv_dtype", _I),
     ]  # fmt: skip
 
 
@@ -110,12 +110,13 @@ class DecodeStack:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"decode stack: {len(kv_caches)} caches for {len(self.layers)} layers")
         for layer, (k, v) in zip(self.layers, kv_caches):
-            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("decode stack: caches must be contiguous float32")
+            if k.dtype not in (torch.float32, torch.bfloat16) or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("decode stack: caches must be contiguous float32 or bfloat16")
             if k.shape[2:] != (self.shape.num_kv_heads, self.shape.head_dim) or k.shape != v.shape:
                 raise ValueError(f"decode stack: a cache of shape {tuple(k.shape)} does not fit the model")
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
         self.shape.block_size = kv_caches[0][0].shape[1]
+        self.shape.kv_dtype = DTYPE_CODES[kv_caches[0][0].dtype]
         self._caches, self._cache_ptrs = kv_caches, first
 
     def run(

@@ -66,6 +66,7 @@ class ModelRunner:
         num_kv_blocks: int | None,
         kv_cache_bytes: int | None,
         max_model_len: int | None,
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         kernels: str = "auto",
         batch_size_hint: int = 64,
@@ -93,6 +94,7 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
         self.block_size = block_size
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
         self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache()
@@ -191,7 +193,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
         if self.drafter is not None:  # its cache has a block for every one of the target's
             block_bytes += self.drafter.bytes_per_block
@@ -214,16 +216,17 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         if self.drafter is not None:
             self.drafter.allocate(self.num_kv_blocks)
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %s), max_model_len %d",
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.bytes_per_block / 2**20,
+            str(self.kv_dtype).removeprefix("torch."),
             self.max_model_len,
         )
         return kv_caches

@@ -42,13 +42,21 @@ def _hidden(runner: ModelRunner, batch: list[ScheduledRequest]) -> torch.Tensor:
         return runner.model(input_ids, positions, runner.kv_caches, meta)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4", "int4+a8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "int4+a8", "+kv16", "int4+kv16"])
 def test_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(model_dir, quantization):
-    weights, _, a8 = (quantization or "").partition("+")
+    """``+a8``: int8 activations; ``+kv16``: a bfloat16 KV cache (written by the stack in C,
+    by torch's copy on the layer path: the same rounding)."""
+    weights, _, extra = (quantization or "").partition("+")
     kernels = load_kernels()
-    if a8 and (kernels is None or not kernels.int8_dot_products):
+    if extra == "a8" and (kernels is None or not kernels.int8_dot_products):
         pytest.skip("no int8 dot products on this CPU")
-    runner = _runner(model_dir, weights or None, activation_quantization="int8" if a8 else "none")
+    runner = _runner(
+        model_dir,
+        weights or None,
+        activation_quantization="int8" if extra == "a8" else "none",
+        kv_cache_dtype="bfloat16" if extra == "kv16" else "auto",
+    )
+    assert runner.kv_caches[0][0].dtype == (torch.bfloat16 if extra == "kv16" else torch.float32)
     stack = runner.model.decode_stack
     assert stack is not None
     gen = torch.Generator().manual_seed(0)

@@ -11,10 +11,11 @@ from engine_svc.model.attention.sdpa import SdpaDecode, SdpaPrefill, sdpa_decode
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the step's k, v ``[num_tokens, kv_heads, head_dim]`` at their slots."""
+    """Store the step's k, v ``[num_tokens, kv_heads, head_dim]`` at their slots (rounded
+    to the cache's dtype where it is narrower: ``--kv-cache-dtype bfloat16``)."""
     k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(

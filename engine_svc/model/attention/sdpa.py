@@ -176,7 +176,8 @@ def sdpa_prefill(
     scale: float,
 ) -> None:
     """Fills the prefill rows of ``out``; a chunk at position 0 reads its own k/v
-    [num_tokens, kv_heads, hd] directly, a later one gathers its context from the cache."""
+    [num_tokens, kv_heads, hd] directly (as the cache holds them: rounded where it is
+    narrower), a later one gathers its context from the cache."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     for c in prefill.chunks:
@@ -184,6 +185,8 @@ def sdpa_prefill(
         q_c = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, hd]
         if c.start == 0:
             k_c, v_c = k[rows], v[rows]  # [query_len, kv_heads, hd]
+            if kv_cache[0].dtype != k.dtype:  # what the cache holds: a bfloat16 cache's rounding
+                k_c, v_c = k_c.to(kv_cache[0].dtype).to(k.dtype), v_c.to(kv_cache[0].dtype).to(k.dtype)
         else:
             assert c.block_ids is not None
             k_c, v_c = _gather(kv_cache, c.block_ids, prefill.workspace)
@@ -213,6 +216,15 @@ def _gather(kv_cache: KVCache, block_ids: torch.Tensor, workspace: KVCache | Non
     k_cache, v_cache = kv_cache
     num_blocks, block_size = block_ids.shape[0], k_cache.shape[1]
     num_tokens = num_blocks * block_size
+    if workspace is not None and workspace[0].dtype != k_cache.dtype:  # a bfloat16 cache: widened
+        shape = (num_blocks, *k_cache.shape[1:])
+        if num_tokens > workspace[0].shape[0]:
+            return k_cache.index_select(0, block_ids).to(workspace[0].dtype), v_cache.index_select(0, block_ids).to(
+                workspace[1].dtype
+            )
+        k = workspace[0][:num_tokens].view(shape).copy_(k_cache.index_select(0, block_ids))
+        v = workspace[1][:num_tokens].view(shape).copy_(v_cache.index_select(0, block_ids))
+        return k, v
     if workspace is None or num_tokens > workspace[0].shape[0]:
         return k_cache.index_select(0, block_ids), v_cache.index_select(0, block_ids)
     shape = (num_blocks, *k_cache.shape[1:])

@@ -9,9 +9,9 @@
  *   block_table  [rows, table_stride] int32; token t lives in block table[t / block_size]
  *                at offset t % block_size
  *
- * Query head h reads KV head h / group (transformers' repeat_kv layout). q, out and the
- * caches share one dtype (float32 or bfloat16); every sum is float32, the output is
- * rounded once.
+ * Query head h reads KV head h / group (transformers' repeat_kv layout). q and out share
+ * one dtype (float32 or bfloat16), the caches another (kv_dtype: the same, or bfloat16
+ * beside float32 rows); every sum is float32, the output is rounded once.
  *
  * Decode (tk_decode_attention): one query token per row, a row's context is ctx_lens[row]
  * tokens. A row walks its blocks and reads each front to back (a block holds every KV head
@@ -239,12 +239,12 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
 int tk_decode_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
                         const int32_t *block_table, const int32_t *ctx_lens, int num_rows, int num_heads,
                         int num_kv_heads, int head_dim, int block_size, int table_stride, int max_ctx_len,
-                        float scale, int dtype, int num_threads) {
+                        float scale, int dtype, int kv_dtype, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads > MAX_HEADS || head_dim <= 0 ||
         block_size <= 0)
         return 2;
     const int group = num_heads / num_kv_heads;
-    const size_t token_stride = (size_t)num_kv_heads * head_dim, elem = dtype == TK_BF16 ? 2 : 4;
+    const size_t token_stride = (size_t)num_kv_heads * head_dim, elem = kv_dtype == TK_BF16 ? 2 : 4;
     const size_t row_elems = (size_t)num_heads * head_dim;
     int failed = 0;
     int threads = num_rows < num_threads ? num_rows : num_threads;
@@ -263,8 +263,8 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
             const int len = ctx_lens[row] > 0 ? (ctx_lens[row] < max_ctx_len ? ctx_lens[row] : max_ctx_len) : 0;
             for (size_t i = 0; i < row_elems; i++) qf[i] = scale * load_any(q, (size_t)row * q_row_stride + i, dtype);
             const int32_t *table = block_table + (size_t)row * table_stride;
-            /* one copy of the row loop per dtype, so no load tests the dtype */
-            if (len > 0 && dtype == TK_BF16)
+            /* one copy of the row loop per cache dtype, so no load tests the dtype */
+            if (len > 0 && kv_dtype == TK_BF16)
                 decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group,
                            head_dim, block_size, token_stride, elem, TK_BF16, scores);
             else if (len > 0)
@@ -340,7 +340,7 @@ typedef struct {
 static void prefill_item_run(const prefill_item *it, void *out, const void *q, long q_row_stride, const char *k_cache,
                              const char *v_cache, const int32_t *table, int chunk_row, int chunk_start, int chunk_len,
                              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtype,
-                             const prefill_scratch *w) {
+                             int kv_dtype, const prefill_scratch *w) {
     const int group = num_heads / num_kv_heads, rows = QT * group, kvh = it->kv_head;
     const size_t token_stride = (size_t)num_kv_heads * head_dim, block_elems = (size_t)block_size * token_stride;
     const int q0 = it->tile * QT, nqt = chunk_len - q0 < QT ? chunk_len - q0 : QT;
@@ -358,7 +358,7 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
         const int t0 = b * block_size, ntok = last_pos + 1 - t0 < block_size ? last_pos + 1 - t0 : block_size;
         const float *kr = (const float *)k_cache + base, *vr = (const float *)v_cache + base;
         size_t kv_stride = token_stride;
-        if (dtype == TK_BF16) { /* widen the block's K and V once; every query vector reads them */
+        if (kv_dtype == TK_BF16) { /* widen the block's K and V once; every query vector reads them */
             for (int t = 0; t < ntok; t++)
                 for (int d = 0; d < head_dim; d += TK_VL) {
                     vstore(w->kb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)k_cache + base + t * token_stride + d));
@@ -416,7 +416,7 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
 int tk_prefill_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
                          const int32_t *block_table, const int32_t *chunk_rows, const int32_t *chunk_starts,
                          const int32_t *chunk_lens, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, int table_stride, float scale, int dtype, int num_threads) {
+                         int block_size, int table_stride, float scale, int dtype, int kv_dtype, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim % TK_VL != 0 ||
         block_size <= 0 || (QT * (num_heads / num_kv_heads)) % TK_VL != 0)
         return 2;
@@ -458,7 +458,7 @@ int tk_prefill_attention(void *out, const void *q, long q_row_stride, const void
             const int c = it->chunk;
             prefill_item_run(it, out, q, q_row_stride, (const char *)k_cache, (const char *)v_cache,
                              block_table + (size_t)c * table_stride, chunk_rows[c], chunk_starts[c], chunk_lens[c],
-                             num_heads, num_kv_heads, head_dim, block_size, scale, dtype, &w);
+                             num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype, &w);
         }
         free(buf);
     }

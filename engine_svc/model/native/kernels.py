@@ -31,8 +31,8 @@ _SIGNATURES = {
     "tk_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
     "tk_silu_mul": [_P, _P, _I, _I, _I, _I],
     "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
-    "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I],
-    "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+    "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I, _I],
+    "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I, _I],
     "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _I, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I],
     "tk_qgemm_int8": [],
     "tk_decode_stack": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I],
@@ -331,17 +331,25 @@ class NativeKernels:
 
     # -- attention --------------------------------------------------------------------
 
-    def _check_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    def _check_attention(
+        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[int, int]:
+        """(q's dtype code, the caches'): q and out share one dtype, the caches another, the
+        same or bfloat16."""
         _contiguous(out, k_cache, v_cache)
-        code = _code(q)
-        if not (out.dtype == q.dtype == k_cache.dtype == v_cache.dtype):
-            raise ValueError("attention: q, out and the caches must share one dtype")
+        code, kv_code = _code(q), _code(k_cache)
+        if out.dtype != q.dtype or k_cache.dtype != v_cache.dtype:
+            raise ValueError("attention: q and out share one dtype, the two caches another")
+        if k_cache.dtype not in (q.dtype, torch.bfloat16):
+            raise ValueError(
+                f"attention: a {k_cache.dtype} cache beside {q.dtype} rows (the cache: theirs or bfloat16)"
+            )
         num_heads, head_dim = out.shape[1], out.shape[2]
         if q.dim() != 2 or q.stride(1) != 1 or q.shape[1] < num_heads * head_dim or q.shape[0] != out.shape[0]:
             raise ValueError("attention: q must be [rows, >= heads * head_dim] with unit column stride")
         if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
             raise ValueError("attention: cache shape mismatch")
-        return code
+        return code, kv_code
 
     @staticmethod
     def _check_int32(*tensors: torch.Tensor) -> None:
@@ -356,7 +364,7 @@ class NativeKernels:
         """One query token per row. out [rows, heads, head_dim]; q [rows, >= heads * head_dim]
         (the q part of qkv); caches [blocks, block_size, kv_heads, head_dim]; block_table
         [rows, stride] int32; ctx_lens [rows] int32."""
-        code = self._check_attention(out, q, k_cache, v_cache)
+        code, kv_code = self._check_attention(out, q, k_cache, v_cache)
         self._check_int32(block_table, ctx_lens)
         rows = out.shape[0]
         if block_table.shape[0] != rows or ctx_lens.shape[0] != rows:
@@ -365,7 +373,7 @@ class NativeKernels:
         rc = self._lib.tk_decode_attention(
             out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_table.data_ptr(), ctx_lens.data_ptr(), rows, out.shape[1], num_kv_heads, head_dim, block_size,
-            block_table.shape[1], max_ctx_len, scale, code, torch.get_num_threads(),
+            block_table.shape[1], max_ctx_len, scale, code, kv_code, torch.get_num_threads(),
         )  # fmt: skip
         _check("decode attention", rc)
 
@@ -377,7 +385,7 @@ class NativeKernels:
         """Causal attention of prefill chunks over the paged cache (their own K/V included).
         Chunk c: rows chunk_rows[c] .. + chunk_lens[c] of q/out, positions chunk_starts[c] ..;
         block_table [chunks, stride] int32."""
-        code = self._check_attention(out, q, k_cache, v_cache)
+        code, kv_code = self._check_attention(out, q, k_cache, v_cache)
         self._check_int32(block_table, chunk_rows, chunk_starts, chunk_lens)
         num_chunks = chunk_lens.shape[0]
         if (
@@ -391,6 +399,6 @@ class NativeKernels:
             out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_table.data_ptr(), chunk_rows.data_ptr(), chunk_starts.data_ptr(), chunk_lens.data_ptr(),
             num_chunks, out.shape[1], num_kv_heads, head_dim, block_size, block_table.shape[1], scale, code,
-            torch.get_num_threads(),
+            kv_code, torch.get_num_threads(),
         )  # fmt: skip
         _check("prefill attention", rc)

@@ -21,8 +21,10 @@
  *   h = rms_norm(r += o) * w_post
  *   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T
  *
- * Float32 activations and caches only; the linear layers may be packed float32/bfloat16
- * panels (gemm.c) or quantized ones (quant.c), layer by layer.
+ * Float32 activations; caches float32 or bfloat16 (shape's kv_dtype: each K and V value
+ * rounded to nearest even as it is written, as torch's copy into a bfloat16 cache rounds);
+ * the linear layers may be packed float32/bfloat16 panels (gemm.c) or quantized ones
+ * (quant.c), layer by layer.
  */
 #include <stdint.h>
 #include <string.h>
@@ -43,7 +45,7 @@ int tk_rope(void *qkv, long row_stride, const int64_t *positions, const float *c
 int tk_decode_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
                         const int32_t *block_table, const int32_t *ctx_lens, int num_rows, int num_heads,
                         int num_kv_heads, int head_dim, int block_size, int table_stride, int max_ctx_len,
-                        float scale, int dtype, int num_threads);
+                        float scale, int dtype, int kv_dtype, int num_threads);
 
 /* One linear layer as its kernel takes it. quantized 0: tk_gemm on panels of dtype
  * `kind` (TK_F32 / TK_BF16 panels with float32 rows); 1: tk_qgemm of kind 8 or 4. */
@@ -66,14 +68,27 @@ typedef struct {
     const float *in_norm;   /* [hidden] */
     const float *post_norm; /* [hidden] */
     tk_linear qkv, o, gate_up, down;
-    float *k_cache; /* [blocks, block_size, kv_heads, head_dim] */
-    float *v_cache;
+    void *k_cache; /* [blocks, block_size, kv_heads, head_dim], kv_dtype */
+    void *v_cache;
 } tk_layer;
 
 typedef struct {
     int hidden, num_heads, num_kv_heads, head_dim, block_size, max_position;
     float eps, scale;
+    int kv_dtype; /* TK_F32 or TK_BF16 */
 } tk_stack_shape;
+
+/* n values of a row at slot `slot` of a cache of dtype kv_dtype. */
+static void write_kv_row(void *cache, int64_t slot, const float *row, int n, int kv_dtype) {
+    if (kv_dtype == TK_BF16) {
+        bf16 *dst = (bf16 *)cache + (size_t)slot * n;
+        int i = 0;
+        for (; i + TK_VL <= n; i += TK_VL) vstore_bf16(dst + i, vload(row + i));
+        for (; i < n; i++) dst[i] = f32_to_bf16(row[i]);
+    } else {
+        memcpy((float *)cache + (size_t)slot * n, row, sizeof(float) * n);
+    }
+}
 
 static int linear(const tk_linear *l, const float *x, int M, float *y, int threads) {
     if (l->quantized)
@@ -93,6 +108,7 @@ int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape
                     const int32_t *ctx_lens, int max_ctx_len, const float *cos_sin, float *ws, int M,
                     int num_threads) {
     if (M <= 0 || num_layers <= 0) return M < 0 ? 2 : 0;
+    if (s->kv_dtype != TK_F32 && s->kv_dtype != TK_BF16) return 2;
     const int hd = s->head_dim, nh = s->num_heads, nkv = s->num_kv_heads;
     const int qkv_n = (nh + 2 * nkv) * hd, kv_width = nkv * hd;
     for (int l = 0; l < num_layers; l++)
@@ -116,11 +132,11 @@ int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape
         RUN(tk_rope(qkv, qkv_n, positions, cos_sin, s->max_position, M, nh + nkv, hd, TK_F32, num_threads));
         for (int r = 0; r < M; r++) {
             const float *row = qkv + (size_t)r * qkv_n;
-            memcpy(L->k_cache + (size_t)slots[r] * kv_width, row + (size_t)nh * hd, sizeof(float) * kv_width);
-            memcpy(L->v_cache + (size_t)slots[r] * kv_width, row + (size_t)(nh + nkv) * hd, sizeof(float) * kv_width);
+            write_kv_row(L->k_cache, slots[r], row + (size_t)nh * hd, kv_width, s->kv_dtype);
+            write_kv_row(L->v_cache, slots[r], row + (size_t)(nh + nkv) * hd, kv_width, s->kv_dtype);
         }
         RUN(tk_decode_attention(attn, qkv, qkv_n, L->k_cache, L->v_cache, block_table, ctx_lens, M, nh, nkv, hd,
-                                s->block_size, table_stride, max_ctx_len, s->scale, TK_F32, num_threads));
+                                s->block_size, table_stride, max_ctx_len, s->scale, TK_F32, s->kv_dtype, num_threads));
         RUN(linear(&L->o, attn, M, x, num_threads));
         RUN(tk_rms_norm(h, residual, x, L->post_norm, M, s->hidden, s->eps, TK_F32, num_threads));
         RUN(linear(&L->gate_up, h, M, gu, num_threads));

@@ -1,0 +1,96 @@
+"""--kv-cache-dtype bfloat16: K and V rounded to bfloat16 as they are written, attention in
+float32 over the rounded values, against transformers with a cache that rounds the same way
+(its keys after RoPE, as the engine's cache holds them), on the native kernels (the decode
+stack among them) and on the PyTorch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine_svc.config import EngineConfig
+from engine_svc.core import EngineCore
+from engine_svc.types import SamplingParams
+from tests.engine.test_engine_vs_transformers import TIE_EPS, _prompts
+from tests.model_factory import load_hf_model, make_model_dir
+
+NUM_NEW = 10
+
+
+class BFloat16Cache(DynamicCache):
+    """transformers' cache, every key and value rounded to bfloat16 as it is stored."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(
+            key_states.bfloat16().float(), value_states.bfloat16().float(), layer_idx, *args, **kwargs
+        )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("kv16") / "model", arch="llama", num_kv_heads=2, vocab_size=512)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_bfloat16_cache_matches_transformers_with_a_rounding_cache(model_dir, kernels):
+    hf = load_hf_model(model_dir)
+    core = EngineCore(
+        EngineConfig(
+            model=str(model_dir), dtype="float32", kernels=kernels, kv_cache_dtype="bfloat16", num_kv_blocks=256,
+            block_size=16, max_num_batched_tokens=64,
+        )
+    )  # fmt: skip
+    assert core.runner.kv_caches[0][0].dtype == torch.bfloat16 and core.runner.dtype == torch.float32
+    prompts = _prompts(9)[::3]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    for prompt, result in zip(prompts, core.generate(prompts, params)):
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, do_sample=False,
+                pad_token_id=0, past_key_values=BFloat16Cache(),
+            )  # fmt: skip
+        theirs, ours = out[0, len(prompt) :].tolist(), result.output_token_ids
+        if ours != theirs:  # only where transformers' own top two nearly tie
+            i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            with torch.inference_mode():
+                logits = hf(torch.tensor([prompt + theirs[:i]]), past_key_values=BFloat16Cache()).logits[0, -1]
+            top2 = torch.topk(logits, 2).values
+            assert (top2[0] - top2[1]).item() < TIE_EPS, f"diverged at output {i}: {ours} vs {theirs}"
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_prompt_logprobs_are_transformers_with_a_rounding_cache(model_dir, kernels):
+    """Each prompt token's logprob (prefill in chunks of 24 tokens: later chunks read the
+    earlier ones' rounded K/V from the cache) against transformers with the rounding cache,
+    to float32's summation order; against transformers' float32 cache they differ by far
+    more, so the rounding is what is measured."""
+    hf = load_hf_model(model_dir)
+    core = EngineCore(
+        EngineConfig(
+            model=str(model_dir), dtype="float32", kernels=kernels, kv_cache_dtype="bfloat16", num_kv_blocks=256,
+            block_size=16, max_num_batched_tokens=24,
+        )
+    )  # fmt: skip
+    prompt = list(range(3, 80))
+    (result,) = core.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    ours = torch.tensor([lp.logprob for lp in result.prompt_logprobs])
+
+    def theirs(cache) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt]), past_key_values=cache).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+    rounded, exact = theirs(BFloat16Cache()), theirs(DynamicCache())
+    assert ours.shape == rounded.shape
+    err, unrounded = (ours - rounded).abs().max().item(), (ours - exact).abs().max().item()
+    assert err < 2e-5, err
+    assert unrounded > 10 * err and unrounded > 2e-4, (err, unrounded)
+
+
+def test_a_bfloat16_cache_holds_twice_the_tokens_in_the_same_bytes(model_dir):
+    sizes = {}
+    for dtype in ("auto", "bfloat16"):
+        config = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_dtype=dtype, kv_cache_bytes=8 << 20)
+        sizes[dtype] = EngineCore(config).runner.num_kv_blocks
+    assert sizes["bfloat16"] == 2 * sizes["auto"]
