@@ -103,14 +103,16 @@ def gguf_vocab_size(path: str) -> int:
 
 
 @contextlib.contextmanager
-def tandem_server(model: str, args, slots: int):
+def tandem_server(model: str, args, slots: int, overrides: tuple[str, ...] = ()):
     """A Tandem engine and a frontend with the HTTP face on free ports; yields
-    (base_url, engine pid, frontend pid) once both serve, stops both after."""
+    (base_url, engine pid, frontend pid) once both serve, stops both after. ``overrides``
+    come after ``--tandem-engine-arg``'s, so they win."""
     from tandem_common.ready import read_ready_file
     from tests.services import start_engine, start_frontend
 
     engine_argv = ["--num-threads", str(args.threads), "--max-num-seqs", str(slots),
                    "--kv-cache-bytes", str(args.tandem_kv_cache_bytes), *args.tandem_engine_arg]  # fmt: skip
+    engine_argv += overrides
     engine = start_engine(model, *engine_argv)
     frontend = None
     try:
@@ -127,10 +129,12 @@ def tandem_server(model: str, args, slots: int):
 
 def tandem_baseline(args, slots: int) -> dict:
     """Resident memory of the engine on the built-in random demo model (about 2 MiB of
-    weights) with the same flags: what the engine holds besides a model's weights."""
+    weights) with the same flags: what the engine holds besides a model's weights. Its
+    float weights take no int8 activations, so that flag is turned off there."""
     from engine_svc.demo_model import ensure_demo_model
 
-    with tandem_server(str(ensure_demo_model()), args, slots) as (url, engine_pid, _):
+    no_a8 = ("--activation-quantization", "none")
+    with tandem_server(str(ensure_demo_model()), args, slots, no_a8) as (url, engine_pid, _):
         asyncio.run(run_cell(url, WARMUP, len(WARMUP)))
         return resident(engine_pid)
 
