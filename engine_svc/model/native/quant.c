@@ -467,15 +467,36 @@ static void i8_convert(const qargs *a, int p, int k0, int kc, uint8_t *buf) {
 #define I8_MR 3
 #endif
 
-/* cs [mr][NR] (=|+=) rows r .. r + mr of the slice's groups: each group's integer sum,
- * exact, then scaled: s * sx * sum (minus the bias of 8-bit weights first), plus m * xs for
- * the group's min. */
+/* cs [mr][NR] += group g's integer sums of rows r .. r + mr, exact until here, scaled:
+ * s * sx * sum (minus the bias of 8-bit weights first), plus m * xs for the group's min. */
+static inline __attribute__((always_inline)) void i8_fold(const int mr, const int q8, const int has_min,
+                                                          const qargs *a, const xquant *xq, int r, int p, int g,
+                                                          vi isum[][2], float *cs) {
+    const size_t at0 = ((size_t)p * a->ng + g) * NR;
+    vf s[2], m[2];
+    group_vectors(a->scale, a->sdtype, at0, s);
+    if (has_min) group_vectors(a->min, a->sdtype, at0, m);
+    for (int i = 0; i < mr; i++) {
+        const size_t at = (size_t)(r + i) * a->ng + g;
+        const vf sx = vbcast(xq->sx[at]);
+        for (int h = 0; h < 2; h++) {
+            const vi sum = q8 ? isum[i][h] - vbcast_i32(xq->xc[at]) : isum[i][h];
+            vf t = vload(cs + i * NR + h * TK_VL) + __builtin_convertvector(sum, vf) * (s[h] * sx);
+            if (has_min) t += m[h] * vbcast(xq->xs[at]);
+            vstore(cs + i * NR + h * TK_VL, t);
+        }
+    }
+}
+
+static inline void zero_rows(int mr, float *cs) {
+    for (int i = 0; i < mr; i++) vstore(cs + i * NR, vzero()), vstore(cs + i * NR + TK_VL, vzero());
+}
+
+/* cs [mr][NR] (=|+=) rows r .. r + mr times the slice k0 .. k0 + kc held in buf. */
 static inline __attribute__((always_inline)) void i8_tile(const int mr, const int q8, const int has_min,
                                                           const qargs *a, const xquant *xq, int r, int p, int k0,
                                                           int kc, const uint8_t *buf, float *cs, int first) {
-    if (first)
-        for (int i = 0; i < mr; i++) vstore(cs + i * NR, vzero()), vstore(cs + i * NR + TK_VL, vzero());
-    const size_t sb = (size_t)p * a->ng * NR;
+    if (first) zero_rows(mr, cs);
     const int8_t *xr = xq->q + (size_t)r * a->K + k0;
     int g = k0 / a->group;
     for (int k = 0; k < kc; k += a->group, g++) {
@@ -492,30 +513,16 @@ static inline __attribute__((always_inline)) void i8_tile(const int mr, const in
                 isum[i][1] = vdot_u8s8(isum[i][1], b1, x4);
             }
         }
-        vf s[2], m[2];
-        group_vectors(a->scale, a->sdtype, sb + (size_t)g * NR, s);
-        if (has_min) group_vectors(a->min, a->sdtype, sb + (size_t)g * NR, m);
-        for (int i = 0; i < mr; i++) {
-            const size_t at = (size_t)(r + i) * a->ng + g;
-            const vf sx = vbcast(xq->sx[at]);
-            for (int h = 0; h < 2; h++) {
-                const vi sum = q8 ? isum[i][h] - vbcast_i32(xq->xc[at]) : isum[i][h];
-                vf t = vload(cs + i * NR + h * TK_VL) + __builtin_convertvector(sum, vf) * (s[h] * sx);
-                if (has_min) t += m[h] * vbcast(xq->xs[at]);
-                vstore(cs + i * NR + h * TK_VL, t);
-            }
-        }
+        i8_fold(mr, q8, has_min, a, xq, r, p, g, isum, cs);
     }
 }
 
-/* Few rows (one micro-tile): the weights go from the panel to VPDPBUSD in registers, with
- * no buffer between. */
+/* Few rows (one micro-tile): cs [mr][NR] = rows r .. r + mr times panel p, the weights taken
+ * from the panel to VPDPBUSD in registers, with no buffer between. */
 static inline __attribute__((always_inline)) void i8_tile_direct(const int mr, const int q8, const int has_min,
                                                                  const qargs *a, const xquant *xq, int r, int p,
                                                                  float *cs) {
-    vf acc[I8_MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = vzero();
-    const size_t sb = (size_t)p * a->ng * NR;
+    zero_rows(mr, cs);
     const uint8_t *qp = a->qs + (size_t)p * a->panel_qbytes;
     const int8_t *xr = xq->q + (size_t)r * a->K;
     for (int g = 0; g < a->ng; g++) {
@@ -551,49 +558,48 @@ static inline __attribute__((always_inline)) void i8_tile_direct(const int mr, c
                 isum[i][1] = vdot_u8s8(isum[i][1], w[3], x1);
             }
         }
-        vf s[2], m[2];
-        group_vectors(a->scale, a->sdtype, sb + (size_t)g * NR, s);
-        if (has_min) group_vectors(a->min, a->sdtype, sb + (size_t)g * NR, m);
-        for (int i = 0; i < mr; i++) {
-            const size_t at = (size_t)(r + i) * a->ng + g;
-            const vf sx = vbcast(xq->sx[at]);
-            for (int h = 0; h < 2; h++) {
-                const vi sum = q8 ? isum[i][h] - vbcast_i32(xq->xc[at]) : isum[i][h];
-                acc[i][h] += __builtin_convertvector(sum, vf) * (s[h] * sx);
-                if (has_min) acc[i][h] += m[h] * vbcast(xq->xs[at]);
-            }
-        }
+        i8_fold(mr, q8, has_min, a, xq, r, p, g, isum, cs);
     }
-    for (int i = 0; i < mr; i++)
-        for (int h = 0; h < 2; h++) vstore(cs + i * NR + h * TK_VL, acc[i][h]);
 }
 
-/* A literal row count and layout per call: the sums stay in registers, the fold does only
- * what the weight's layout needs. */
-#define I8_ROWS(q8, has_min)                                                                      \
-    static void i8_rows_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, int k0, int kc, \
-                                      const uint8_t *buf, float *cs, int first) {                  \
-        switch (rows) {                                                                           \
-        I8_CASES(q8, has_min)                                                                     \
-        case 3: i8_tile(3, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;              \
-        case 2: i8_tile(2, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;              \
-        default: i8_tile(1, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;             \
-        }                                                                                         \
-    }
+/* A literal row count and layout per call (Q8, HAS_MIN: enum constants of the caller): the
+ * sums stay in registers, the fold does only what the weight's layout needs. */
 #if I8_MR == 6
-#define I8_CASES(q8, has_min)                                                    \
-    case 6: i8_tile(6, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break; \
-    case 5: i8_tile(5, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break; \
-    case 4: i8_tile(4, q8, has_min, a, xq, r, p, k0, kc, buf, cs, first); break;
+#define I8_SWITCH(rows, TILE)                                                                   \
+    switch (rows) {                                                                             \
+    case 6: TILE(6); break;                                                                     \
+    case 5: TILE(5); break;                                                                     \
+    case 4: TILE(4); break;                                                                     \
+    case 3: TILE(3); break;                                                                     \
+    case 2: TILE(2); break;                                                                     \
+    default: TILE(1); break;                                                                    \
+    }
 #elif I8_MR == 3
-#define I8_CASES(q8, has_min)
+#define I8_SWITCH(rows, TILE)                                                                   \
+    switch (rows) {                                                                             \
+    case 3: TILE(3); break;                                                                     \
+    case 2: TILE(2); break;                                                                     \
+    default: TILE(1); break;                                                                    \
+    }
 #else
 #error "I8_MR is 6 or 3"
 #endif
-I8_ROWS(0, 0)
-I8_ROWS(0, 1)
-I8_ROWS(1, 0)
-I8_ROWS(1, 1)
+#define I8_TILE(n) i8_tile(n, Q8, HAS_MIN, a, xq, r, p, k0, kc, buf, cs, first)
+#define I8_TILE_DIRECT(n) i8_tile_direct(n, Q8, HAS_MIN, a, xq, r, p, cs)
+#define I8_LAYOUT(q8, has_min)                                                                  \
+    static void i8_rows_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, int k0, int kc, \
+                                      const uint8_t *buf, float *cs, int first) {               \
+        enum { Q8 = q8, HAS_MIN = has_min };                                                    \
+        I8_SWITCH(rows, I8_TILE)                                                                \
+    }                                                                                           \
+    static void i8_direct_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, float *cs) { \
+        enum { Q8 = q8, HAS_MIN = has_min };                                                    \
+        I8_SWITCH(rows, I8_TILE_DIRECT)                                                         \
+    }
+I8_LAYOUT(0, 0)
+I8_LAYOUT(0, 1)
+I8_LAYOUT(1, 0)
+I8_LAYOUT(1, 1)
 
 static void i8_rows(const qargs *a, const xquant *xq, int r, int rows, int p, int k0, int kc, const uint8_t *buf,
                     float *cs, int first) {
@@ -603,28 +609,6 @@ static void i8_rows(const qargs *a, const xquant *xq, int r, int rows, int p, in
         (a->min ? i8_rows_01 : i8_rows_00)(a, xq, r, rows, p, k0, kc, buf, cs, first);
     }
 }
-
-#define I8_DIRECT(q8, has_min)                                                                    \
-    static void i8_direct_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, float *cs) { \
-        switch (rows) {                                                                           \
-        I8_DIRECT_CASES(q8, has_min)                                                              \
-        case 3: i8_tile_direct(3, q8, has_min, a, xq, r, p, cs); break;                           \
-        case 2: i8_tile_direct(2, q8, has_min, a, xq, r, p, cs); break;                           \
-        default: i8_tile_direct(1, q8, has_min, a, xq, r, p, cs); break;                          \
-        }                                                                                         \
-    }
-#if I8_MR == 6
-#define I8_DIRECT_CASES(q8, has_min)                                        \
-    case 6: i8_tile_direct(6, q8, has_min, a, xq, r, p, cs); break;         \
-    case 5: i8_tile_direct(5, q8, has_min, a, xq, r, p, cs); break;         \
-    case 4: i8_tile_direct(4, q8, has_min, a, xq, r, p, cs); break;
-#else
-#define I8_DIRECT_CASES(q8, has_min)
-#endif
-I8_DIRECT(0, 0)
-I8_DIRECT(0, 1)
-I8_DIRECT(1, 0)
-I8_DIRECT(1, 1)
 
 /* cs [rows][NR] = quantized X[r..r+rows) @ panel p, rows <= I8_MR, the whole of K. */
 static void i8_direct(const qargs *a, const xquant *xq, int r, int rows, int p, float *cs) {
@@ -642,7 +626,7 @@ static inline int i8_slice(int K, int group) {
 }
 
 /* cs [rows][NR] = quantized X[m0..m0+rows) @ panel p, a K slice at a time through buf. */
-static void i8_block(const qargs *a, const xquant *xq, int m0, int rows, int p, uint8_t *buf, float *cs) {
+static void i8_block(const qargs *a, const xquant *xq, int m0, int rows, int p, void *buf, float *cs) {
     if (rows <= I8_MR) { /* one micro-tile: no buffer, each weight converted once anyway */
         i8_direct(a, xq, m0, rows, p, cs);
         return;
@@ -684,14 +668,63 @@ static void store_tile(const qargs *a, int m0, int rows, int q, float *cs, const
     }
 }
 
+/* cs [rows][NR] = X[m0..m0+rows) @ panel p for a wide product, through a scratch buffer. */
+typedef void (*block_fn)(const qargs *a, const xquant *xq, int m0, int rows, int p, void *buf, float *cs);
+
+static void float_block(const qargs *a, const xquant *xq, int m0, int rows, int p, void *buf, float *cs) {
+    (void)xq;
+    block_times_qpanel(a, m0, rows, p, buf, cs);
+}
+
+/* A wide product's (row block of mc rows, output tile) items, handed out by one counter to
+ * the threads, each with its own scratch (buf_bytes, and the sums); with xq, X's rows are
+ * quantized first by the same threads. Returns 0, or 2 if scratch could not be allocated. */
+static int run_items(const qargs *a, const xquant *xq, block_fn block, int mc, size_t buf_bytes, int nthreads) {
+    const int M = a->M, silu = a->epilogue == EPI_SILU_MUL, num_tiles = (a->N + NR - 1) / NR;
+    const int num_items = (M + mc - 1) / mc * num_tiles;
+    int threads = 2.0 * M * a->N * a->K * (silu ? 2 : 1) < 2e5 ? 1 : nthreads;
+    if (threads > num_items) threads = num_items;
+    int next = 0, failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#if TK_INT8_DOT
+        if (xq != NULL) { /* every thread takes this branch or none; the loop ends in a barrier */
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++)
+                quantize_row(a->x + (size_t)r * a->ldx, a->K, a->group, a->kind, xq->q + (size_t)r * a->K,
+                             xq->sx + (size_t)r * a->ng, xq->xs + (size_t)r * a->ng, xq->xc + (size_t)r * a->ng);
+        }
+#endif
+        void *buf = aligned_alloc(64, buf_bytes);
+        float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
+        if (buf == NULL || cs == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        }
+        for (;;) {
+            int item;
+#pragma omp atomic capture
+            item = next++;
+            if (item >= num_items || buf == NULL || cs == NULL) break;
+            const int mb = item / num_tiles, q = item % num_tiles;
+            const int m0 = mb * mc, rows = M - m0 < mc ? M - m0 : mc;
+            block(a, xq, m0, rows, silu ? 2 * q : q, buf, cs);
+            if (silu) block(a, xq, m0, rows, 2 * q + 1, buf, cs + (size_t)rows * NR);
+            store_tile(a, m0, rows, q, cs, cs + (size_t)rows * NR);
+        }
+        free(buf);
+        free(cs);
+    }
+    return failed;
+}
+
 /* Whether this build has the integer dot products of tk_qgemm's int8 activations. */
 int tk_qgemm_int8(void) { return TK_INT8_DOT; }
 
 #if TK_INT8_DOT
 /* The product with X quantized to int8 (xquant), every row count alike. */
 static int qgemm_int8(const qargs *a, int nthreads) {
-    const int M = a->M, K = a->K, ng = a->ng, num_tiles = (a->N + NR - 1) / NR;
-    const int silu = a->epilogue == EPI_SILU_MUL;
+    const int M = a->M, K = a->K, ng = a->ng;
     xquant xq = {
         .q = malloc((size_t)M * K),
         .sx = malloc(sizeof(float) * (size_t)M * ng),
@@ -705,38 +738,7 @@ static int qgemm_int8(const qargs *a, int nthreads) {
     /* Row blocks: a block's quantized X within ~128 KiB of L2. */
     int mc = (128 * 1024 / K) / I8_MR * I8_MR;
     if (mc < I8_MR) mc = I8_MR;
-    const int num_row_blocks = (M + mc - 1) / mc, num_items = num_row_blocks * num_tiles;
-    int threads = 2.0 * M * a->N * K < 2e5 ? 1 : nthreads;
-    if (threads > num_items) threads = num_items;
-    int next = 0, failed = 0;
-    const size_t buf_bytes = (size_t)i8_slice(K, a->group) * NR;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int r = 0; r < M; r++)
-            quantize_row(a->x + (size_t)r * a->ldx, K, a->group, a->kind, xq.q + (size_t)r * K,
-                         xq.sx + (size_t)r * ng, xq.xs + (size_t)r * ng, xq.xc + (size_t)r * ng);
-        /* (the loop's barrier: every row is quantized before any tile reads it) */
-        uint8_t *buf = aligned_alloc(64, buf_bytes);
-        float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
-        if (buf == NULL || cs == NULL) {
-#pragma omp atomic write
-            failed = 2;
-        }
-        for (;;) {
-            int item;
-#pragma omp atomic capture
-            item = next++;
-            if (item >= num_items || buf == NULL || cs == NULL) break;
-            const int mb = item / num_tiles, q = item % num_tiles;
-            const int m0 = mb * mc, rows = M - m0 < mc ? M - m0 : mc;
-            i8_block(a, &xq, m0, rows, silu ? 2 * q : q, buf, cs);
-            if (silu) i8_block(a, &xq, m0, rows, 2 * q + 1, buf, cs + (size_t)rows * NR);
-            store_tile(a, m0, rows, q, cs, cs + (size_t)rows * NR);
-        }
-        free(buf);
-        free(cs);
-    }
+    const int failed = run_items(a, &xq, i8_block, mc, (size_t)i8_slice(K, a->group) * NR, nthreads);
     free(xq.q), free(xq.sx), free(xq.xs), free(xq.xc);
     return failed;
 }
@@ -777,7 +779,6 @@ int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *sca
     if (xquant) return qgemm_int8(&a, nthreads);
 #endif
     const double flops = 2.0 * M * N * K * (silu ? 2 : 1);
-    int failed = 0;
     if (M <= FUSED_MAX_ROWS) {
         const int threads = flops < 2e5 ? 1 : nthreads;
         float *xsum = NULL;
@@ -805,31 +806,5 @@ int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *sca
     /* Row blocks as gemm.c sizes them: a block's X stays within ~384 KiB of L2. */
     int mc = (384 * 1024 / (4 * K)) / MR * MR;
     if (mc < MR) mc = MR;
-    const int num_row_blocks = (M + mc - 1) / mc, num_items = num_row_blocks * num_tiles;
-    int threads = flops < 2e5 ? 1 : nthreads;
-    if (threads > num_items) threads = num_items;
-    int next = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *buf = aligned_alloc(64, sizeof(float) * KC * NR);
-        float *cs = malloc(sizeof(float) * 2 * (size_t)mc * NR);
-        if (buf == NULL || cs == NULL) {
-#pragma omp atomic write
-            failed = 2;
-        }
-        for (;;) {
-            int item;
-#pragma omp atomic capture
-            item = next++;
-            if (item >= num_items || buf == NULL || cs == NULL) break;
-            const int mb = item / num_tiles, q = item % num_tiles;
-            const int m0 = mb * mc, rows = M - m0 < mc ? M - m0 : mc;
-            block_times_qpanel(&a, m0, rows, silu ? 2 * q : q, buf, cs);
-            if (silu) block_times_qpanel(&a, m0, rows, 2 * q + 1, buf, cs + (size_t)rows * NR);
-            store_tile(&a, m0, rows, q, cs, cs + (size_t)rows * NR);
-        }
-        free(buf);
-        free(cs);
-    }
-    return failed;
+    return run_items(&a, NULL, float_block, mc, sizeof(float) * KC * NR, nthreads);
 }
