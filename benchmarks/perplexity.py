@@ -21,13 +21,10 @@ import math
 import time
 from pathlib import Path
 
+from benchmarks.quant_engine import ACTIVATIONS
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.types import SamplingParams
-
-# A value's suffix: ``+a8`` int8 activations, ``+a32`` float32 ones, none: the engine's
-# default (``auto``: int8 where the checkpoint declares them).
-ACTIVATIONS = {"": "auto", "a8": "int8", "a32": "none"}
 
 
 def windows(token_ids: list[int], size: int) -> list[list[int]]:

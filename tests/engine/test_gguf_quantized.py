@@ -101,21 +101,20 @@ def test_the_embedding_and_head_blocks_are_the_float_paths_weights(checkpoint):
     assert torch.equal(weights["lm_head"].dequantize(), held["lm_head.weight"])
 
 
-def test_the_engine_serves_the_blocks_and_matches_transformers_on_them(checkpoint):
-    path, hf_dir, held = checkpoint
+def _hf_on_blocks(hf_dir, held: dict[str, torch.Tensor], int8_activations: bool = False):
+    """transformers with the file's dequantized weights; with ``int8_activations`` every
+    linear layer's input quantized per row and group of 32 first (a forward pre-hook)."""
     hf = load_hf_model(hf_dir)
     with torch.no_grad():
         for name, module in hf.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)) and f"{name}.weight" in held:
                 module.weight.copy_(held[f"{name}.weight"])
-    core = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64))
-    assert core.runner.matmuls == "gguf"
-    # Loaded, the engine holds no map of the file: its weights were copied out of it.
-    assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
-    assert sum(isinstance(m, QuantizedLinear) for m in core.runner.model.modules()) == 8
-    model = core.runner.model
-    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedHead)
-    assert core.runner.threads is not None  # no kernel splits a sum: threads are chosen by timing steps
+            if int8_activations and isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(lambda _m, args: (quantize_activations(args[0], 32),))
+    return hf
+
+
+def _greedy_matches(core: EngineCore, hf) -> None:
     prompts = _prompts(5)[::3]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for prompt, result in zip(prompts, core.generate(prompts, params)):
@@ -124,6 +123,20 @@ def test_the_engine_serves_the_blocks_and_matches_transformers_on_them(checkpoin
                 torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
             )
         _assert_same_or_near_tie(hf, prompt, result.output_token_ids, out[0, len(prompt) :].tolist())
+
+
+def test_the_engine_serves_the_blocks_and_matches_transformers_on_them(checkpoint):
+    path, hf_dir, held = checkpoint
+    hf = _hf_on_blocks(hf_dir, held)
+    core = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64))
+    assert core.runner.matmuls == "gguf"
+    # Loaded, the engine holds no map of the file: its weights were copied out of it.
+    assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
+    assert sum(isinstance(m, QuantizedLinear) for m in core.runner.model.modules()) == 8
+    model = core.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedHead)
+    assert core.runner.threads is not None  # no kernel splits a sum: threads are chosen by timing steps
+    _greedy_matches(core, hf)
     dequantized = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, quantization="none"))
     assert dequantized.runner.matmuls != "gguf"
 
@@ -134,13 +147,7 @@ def test_int8_activations_on_the_blocks_match_transformers_with_quantized_inputs
     transformers on the same weights with each of those layers' input quantized per row and
     group of 32 (every layer here is in groups of 32)."""
     path, hf_dir, held = checkpoint
-    hf = load_hf_model(hf_dir)
-    with torch.no_grad():
-        for name, module in hf.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and f"{name}.weight" in held:
-                module.weight.copy_(held[f"{name}.weight"])
-            if isinstance(module, nn.Linear):
-                module.register_forward_pre_hook(lambda _m, args: (quantize_activations(args[0], 32),))
+    hf = _hf_on_blocks(hf_dir, held, int8_activations=True)
     core = EngineCore(
         EngineConfig(
             model=str(path), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64,
@@ -152,11 +159,4 @@ def test_int8_activations_on_the_blocks_match_transformers_with_quantized_inputs
     assert len(layers) == 8 and all(m.int8_activations for m in layers)
     assert isinstance(model.lm_head, QuantizedHead) and model.lm_head.int8_activations
     model.lm_head.wide = None  # every step on the blocks, whatever the timing at load chose
-    prompts = _prompts(5)[::3]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for prompt, result in zip(prompts, core.generate(prompts, params)):
-        with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
-            )
-        _assert_same_or_near_tie(hf, prompt, result.output_token_ids, out[0, len(prompt) :].tolist())
+    _greedy_matches(core, hf)

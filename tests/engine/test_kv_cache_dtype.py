@@ -1,9 +1,12 @@
 """--kv-cache-dtype bfloat16: K and V rounded to bfloat16 as they are written, attention in
-float32 over the rounded values, against transformers with a cache that rounds the same way
-(its keys after RoPE, as the engine's cache holds them), on the native kernels (the decode
-stack among them) and on the PyTorch path."""
+float32 over the rounded values. The attention kernels over a bfloat16 cache give the bits
+they give over a float32 cache holding its values; the engine against transformers with a
+cache that rounds the same way (its keys after RoPE, as the engine's cache holds them), on
+the native kernels (the decode stack among them) and on the PyTorch path."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -11,8 +14,11 @@ from transformers import DynamicCache
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
+from engine_svc.model.native import NativeKernels, build, cpu_features
+from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import TIE_EPS, _prompts
+from tests.engine.test_native_kernels import _caches
 from tests.model_factory import load_hf_model, make_model_dir
 
 NUM_NEW = 10
@@ -27,20 +33,67 @@ class BFloat16Cache(DynamicCache):
         )
 
 
+# The widest build this CPU runs and the narrowest: the kernels' vector width differs.
+BUILDS = sorted({next(i for i in ISA_PREFERENCE if ISA_BUILDS[i][1] <= cpu_features().flags), "avx2"})
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def kernels(request, tmp_path_factory) -> NativeKernels:
+    if shutil.which("cc") is None or not ISA_BUILDS["avx2"][1] <= cpu_features().flags:
+        pytest.skip("needs a C compiler and AVX2")
+    return NativeKernels(build(request.param, tmp_path_factory.mktemp("kvbuild")), request.param)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (10, 2, 96, 16)])
+def test_a_bfloat16_cache_beside_float32_rows_reads_as_its_float32_values(
+    kernels, num_heads, num_kv_heads, head_dim, block_size
+):
+    """--kv-cache-dtype bfloat16: a bfloat16 cache widens exactly, so decode and prefill over
+    it give the bits they give over a float32 cache holding the same values."""
+    g = torch.Generator().manual_seed(head_dim)
+    num_blocks, rows = 40, 5
+    k16, v16 = _caches(num_blocks, block_size, num_kv_heads, head_dim, torch.bfloat16, g)
+    k32, v32 = k16.float(), v16.float()
+    lens = torch.tensor([1, block_size + 3, 2 * block_size, 7, 3 * block_size - 2], dtype=torch.int32)
+    table = torch.randperm(num_blocks, generator=g)[: rows * 4].view(rows, 4).to(torch.int32).contiguous()
+    q = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)[:, : num_heads * head_dim]
+    outs = []
+    for k, v in ((k16, v16), (k32, v32)):
+        outs.append(torch.empty(rows, num_heads, head_dim))
+        kernels.decode_attention(outs[-1], q, k, v, table, lens, int(lens.max()), head_dim**-0.5)
+    assert torch.equal(outs[0], outs[1])
+    if not kernels.supports_prefill_attention(head_dim):
+        return
+    starts, chunk_lens = torch.tensor([0, 19, 3], dtype=torch.int32), torch.tensor([21, 17, 1], dtype=torch.int32)
+    chunk_rows = (torch.cumsum(chunk_lens, 0) - chunk_lens).to(torch.int32)
+    qp = torch.randn(int(chunk_lens.sum()), num_heads * head_dim, generator=g)
+    outs = []
+    for k, v in ((k16, v16), (k32, v32)):
+        outs.append(torch.empty(qp.shape[0], num_heads, head_dim))
+        kernels.prefill_attention(outs[-1], qp, k, v, table[:3].contiguous(), chunk_rows, starts, chunk_lens, 0.1)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="cache beside torch.bfloat16 rows"):  # only ever narrower
+        kernels.decode_attention(outs[0][:rows].bfloat16(), q.bfloat16(), k32, v32, table, lens, 9, 0.1)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("kv16") / "model", arch="llama", num_kv_heads=2, vocab_size=512)
 
 
+def _engine(model_dir, kernels: str, max_num_batched_tokens: int) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model=str(model_dir), dtype="float32", kernels=kernels, kv_cache_dtype="bfloat16", num_kv_blocks=256,
+            block_size=16, max_num_batched_tokens=max_num_batched_tokens,
+        )
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 def test_a_bfloat16_cache_matches_transformers_with_a_rounding_cache(model_dir, kernels):
     hf = load_hf_model(model_dir)
-    core = EngineCore(
-        EngineConfig(
-            model=str(model_dir), dtype="float32", kernels=kernels, kv_cache_dtype="bfloat16", num_kv_blocks=256,
-            block_size=16, max_num_batched_tokens=64,
-        )
-    )  # fmt: skip
+    core = _engine(model_dir, kernels, 64)
     assert core.runner.kv_caches[0][0].dtype == torch.bfloat16 and core.runner.dtype == torch.float32
     prompts = _prompts(9)[::3]
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
@@ -66,12 +119,7 @@ def test_prompt_logprobs_are_transformers_with_a_rounding_cache(model_dir, kerne
     to float32's summation order; against transformers' float32 cache they differ by far
     more, so the rounding is what is measured."""
     hf = load_hf_model(model_dir)
-    core = EngineCore(
-        EngineConfig(
-            model=str(model_dir), dtype="float32", kernels=kernels, kv_cache_dtype="bfloat16", num_kv_blocks=256,
-            block_size=16, max_num_batched_tokens=24,
-        )
-    )  # fmt: skip
+    core = _engine(model_dir, kernels, 24)
     prompt = list(range(3, 80))
     (result,) = core.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
     ours = torch.tensor([lp.logprob for lp in result.prompt_logprobs])

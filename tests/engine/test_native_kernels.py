@@ -480,38 +480,6 @@ def test_prefill_attention_matches_sdpa(kernels, dtype, num_heads, num_kv_heads,
     _close(out[num_decodes:], want, dtype, rtol=2e-5)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (10, 2, 96, 16)])
-def test_a_bfloat16_cache_beside_float32_rows_reads_as_its_float32_values(
-    kernels, num_heads, num_kv_heads, head_dim, block_size
-):
-    """--kv-cache-dtype bfloat16: a bfloat16 cache widens exactly, so decode and prefill over
-    it give the bits they give over a float32 cache holding the same values."""
-    g = torch.Generator().manual_seed(head_dim)
-    num_blocks, rows = 40, 5
-    k16, v16 = _caches(num_blocks, block_size, num_kv_heads, head_dim, torch.bfloat16, g)
-    k32, v32 = k16.float(), v16.float()
-    lens = torch.tensor([1, block_size + 3, 2 * block_size, 7, 3 * block_size - 2], dtype=torch.int32)
-    table = torch.randperm(num_blocks, generator=g)[: rows * 4].view(rows, 4).to(torch.int32).contiguous()
-    q = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)[:, : num_heads * head_dim]
-    outs = []
-    for k, v in ((k16, v16), (k32, v32)):
-        outs.append(torch.empty(rows, num_heads, head_dim))
-        kernels.decode_attention(outs[-1], q, k, v, table, lens, int(lens.max()), head_dim**-0.5)
-    assert torch.equal(outs[0], outs[1])
-    if not kernels.supports_prefill_attention(head_dim):
-        return
-    starts, chunk_lens = torch.tensor([0, 19, 3], dtype=torch.int32), torch.tensor([21, 17, 1], dtype=torch.int32)
-    chunk_rows = (torch.cumsum(chunk_lens, 0) - chunk_lens).to(torch.int32)
-    qp = torch.randn(int(chunk_lens.sum()), num_heads * head_dim, generator=g)
-    outs = []
-    for k, v in ((k16, v16), (k32, v32)):
-        outs.append(torch.empty(qp.shape[0], num_heads, head_dim))
-        kernels.prefill_attention(outs[-1], qp, k, v, table[:3].contiguous(), chunk_rows, starts, chunk_lens, 0.1)
-    assert torch.equal(outs[0], outs[1])
-    with pytest.raises(ValueError, match="cache beside torch.bfloat16 rows"):  # only ever narrower
-        kernels.decode_attention(outs[0][:rows].bfloat16(), q.bfloat16(), k32, v32, table, lens, 9, 0.1)
-
-
 def test_kernels_refuse_wrong_inputs(kernels):
     q = torch.zeros(2, 4 * 16)
     out = torch.zeros(2, 4, 16)

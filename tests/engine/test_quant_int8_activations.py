@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine_svc.model.native import NativeKernels, build, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.model.native.quant import QuantizedWeight, as_int8, quantize_activations, quantize_int4, quantize_int8
+from tests.engine.test_quant_kernels import _layouts  # every layout kind the weight-only tests take
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -34,19 +35,6 @@ def kernels(request, build_dir) -> NativeKernels:
     k = NativeKernels(build(request.param, build_dir), request.param)
     assert k.int8_dot_products
     return k
-
-
-def _layouts(w: torch.Tensor) -> list[QuantizedWeight]:
-    """int8 in groups of 32 and 16 (Q8_0, Q6_K's sub-blocks), int8 with mins, 4-bit with mins
-    (Q4_1) and 4-bit in groups of 128 with -8 * scale mins (Q4_0-like, GPTQ's group)."""
-    with_min = quantize_int8(w, 16)
-    with_min = QuantizedWeight(8, with_min.qs, with_min.scale, torch.randn_like(with_min.scale) * 0.01, 16)
-    q4 = quantize_int4(w)
-    layouts = [quantize_int8(w), quantize_int8(w, 16), with_min, q4]
-    if w.shape[1] % 128 == 0:
-        scale = q4.scale.view(w.shape[0], -1, 4)[:, :, 0].contiguous()
-        layouts.append(QuantizedWeight(4, q4.qs, scale, -8 * scale, 128))
-    return layouts
 
 
 def _assert_w8a8(got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, what: str, bias=None) -> None:
