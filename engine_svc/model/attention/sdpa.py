@@ -212,22 +212,16 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gather(kv_cache: KVCache, block_ids: torch.Tensor, workspace: KVCache | None) -> KVCache:
-    """Copy whole blocks out of the cache: two tensors ``[len(block_ids), block_size, kv_heads, head_dim]``."""
+    """Copy whole blocks out of the cache: two tensors ``[len(block_ids), block_size, kv_heads,
+    head_dim]`` in the workspace's dtype (a bfloat16 cache beside float32 rows widened)."""
     k_cache, v_cache = kv_cache
     num_blocks, block_size = block_ids.shape[0], k_cache.shape[1]
     num_tokens = num_blocks * block_size
-    if workspace is not None and workspace[0].dtype != k_cache.dtype:  # a bfloat16 cache: widened
-        shape = (num_blocks, *k_cache.shape[1:])
-        if num_tokens > workspace[0].shape[0]:
-            return k_cache.index_select(0, block_ids).to(workspace[0].dtype), v_cache.index_select(0, block_ids).to(
-                workspace[1].dtype
-            )
-        k = workspace[0][:num_tokens].view(shape).copy_(k_cache.index_select(0, block_ids))
-        v = workspace[1][:num_tokens].view(shape).copy_(v_cache.index_select(0, block_ids))
-        return k, v
     if workspace is None or num_tokens > workspace[0].shape[0]:
-        return k_cache.index_select(0, block_ids), v_cache.index_select(0, block_ids)
+        dtype = k_cache.dtype if workspace is None else workspace[0].dtype
+        return k_cache.index_select(0, block_ids).to(dtype), v_cache.index_select(0, block_ids).to(dtype)
     shape = (num_blocks, *k_cache.shape[1:])
-    k = torch.index_select(k_cache, 0, block_ids, out=workspace[0][:num_tokens].view(shape))
-    v = torch.index_select(v_cache, 0, block_ids, out=workspace[1][:num_tokens].view(shape))
-    return k, v
+    k_ws, v_ws = workspace[0][:num_tokens].view(shape), workspace[1][:num_tokens].view(shape)
+    if k_ws.dtype != k_cache.dtype:
+        return k_ws.copy_(k_cache.index_select(0, block_ids)), v_ws.copy_(v_cache.index_select(0, block_ids))
+    return torch.index_select(k_cache, 0, block_ids, out=k_ws), torch.index_select(v_cache, 0, block_ids, out=v_ws)
