@@ -1,7 +1,7 @@
 """Where an engine step's time goes: achieved FLOP/s per step kind and a per-op table.
 
     python -m benchmarks.step_profile --model DIR --workload FILE [--dtype D] [--kernels K]
-        [--max-requests N] [--ops] [--json OUT]
+        [--max-requests N] [--max-num-batched-tokens N] [--ops] [--json OUT]
 
 Runs the workload in-process (all requests at once, greedy, ignore_eos) with a
 ``StepRecorder`` (benchmarks/flops.py) on the engine: steps with prefill rows and
@@ -69,7 +69,7 @@ def run(args) -> dict:
     workload = load(args.workload)[: args.max_requests or None]
     shape = ModelShape.from_model_dir(args.model)
     num_threads = torch.get_num_threads()
-    core, startup_s = build_engine(args.model, args.dtype, args.kernels)
+    core, startup_s = build_engine(args.model, args.dtype, args.kernels, max_num_batched_tokens=args.max_num_batched_tokens)
     recorder = StepRecorder(shape)
     recorder.attach(core)
     timed_step = core.step
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kernels", default="auto")
     p.add_argument("--max-requests", type=int, default=0, help="the first N requests only (0 = all)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens a step (vs_vllm's prefill-heavy cells: 4096)")
     p.add_argument("--ops", action="store_true", help="also print torch.profiler op tables")
     p.add_argument("--op-rows", type=int, default=25)
     p.add_argument("--json", default=None)

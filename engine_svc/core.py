@@ -220,7 +220,11 @@ class EngineCore:
         outputs = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         # Also when nothing is scheduled: the runner drops the state of requests that ended.
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except BaseException:
+            self.kv_cache.revert_step()  # blocks registered for this step hold no K/V
+            raise
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.is_empty:
             self.num_steps += 1

@@ -22,6 +22,13 @@ token before it, so equal hashes mean equal prefixes, not just equal blocks. Ano
 request whose prompt starts with the same tokens reuses those blocks (ref_count > 1)
 instead of recomputing them.
 
+Within a step: the scheduler registers the blocks a step's chunk will fill before the
+step runs (``cache_full_blocks(request, num_tokens)``), so that a request admitted later
+in the same step hits them instead of computing the same prefix again: every layer
+writes the whole step's K/V before any of its attention reads the cache, so the hit
+request reads them in the same pass. Those registrations are the step's until the next
+``begin_step``; ``revert_step`` forgets them when the step failed and wrote nothing.
+
 Free queue (LRU): every block with ref_count == 0 sits in one ordered queue; allocation
 takes from the front. A freed block that carries a hash goes to the back and keeps its
 hash, so it can still be hit until the front reaches it (then it is evicted: the hash is
@@ -75,6 +82,8 @@ class KVCacheManager:
         self.num_queries = 0
         self.num_hits = 0
         self.events: KvEventLog | None = None  # set while a stream subscribes to cache events
+        # Blocks registered ahead of the step being scheduled (their K/V not yet written).
+        self._ahead: list[int] = []
 
     # -- figures ----------------------------------------------------------------------
 
@@ -156,11 +165,13 @@ class KVCacheManager:
             self._num_handled_blocks[request.request_id] = len(new_computed_blocks)
         return list(table)
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Register the hashes of blocks that became full and computed since the last call.
 
         Call after ``request.num_computed_tokens`` moved forward; only blocks whose K/V is
-        written may be hit by others.
+        written may be hit by others. Or, while a step is scheduled, with ``num_tokens``:
+        the tokens whose K/V that step writes (computed ones and its chunk's), so that
+        requests admitted after it in the same step hit the blocks it fills.
         """
         if not self.enable_prefix_caching:
             return
@@ -168,7 +179,8 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        ahead = num_tokens is not None
+        num_full = min((num_tokens if ahead else request.num_computed_tokens) // self.block_size, len(table))
         start = self._num_handled_blocks.get(request_id, 0)
         if num_full <= start:
             return
@@ -180,9 +192,30 @@ class KVCacheManager:
             if block.block_hash is None and hashes[i] not in self._cached:
                 block.block_hash = hashes[i]
                 self._cached[hashes[i]] = block.block_id
+                if ahead:
+                    self._ahead.append(block.block_id)
                 if self.events is not None:
                     self.events.stored(hashes[i - 1] if i else None, hashes[i])
         self._num_handled_blocks[request_id] = num_full
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the last one's blocks registered ahead are written."""
+        self._ahead.clear()
+
+    def revert_step(self) -> None:
+        """The scheduled step failed: forget the blocks registered ahead of it, whose K/V
+        was never written (their requests are failed and free them; nobody may hit them)."""
+        for block_id in self._ahead:
+            block = self.blocks[block_id]
+            if block.block_hash is None or self._cached.get(block.block_hash) != block_id:
+                continue  # evicted since
+            del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
+            block.block_hash = None
+            if block.ref_count == 0:  # nothing worth keeping: reused first
+                self._free_queue.move_to_end(block_id, last=False)
+        self._ahead.clear()
 
     def free(self, request: Request) -> None:
         """Drop ``request``'s references. Cached blocks stay hittable until evicted."""

@@ -267,7 +267,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        self.kv_cache_manager.begin_step()
         running_rows, budget, preempted = self._schedule_running(budget)
+        # No preemption from here on: the blocks this step's chunks fill can be hit by the
+        # requests admitted below (kv_cache.py, "Within a step").
+        for row in running_rows:
+            self._cache_ahead(row)
         # After a preemption the pool is tight: admitting more would only thrash.
         new_rows = [] if preempted else self._schedule_waiting(budget)
         finished_ids, self._finished_ids = self._finished_ids, set()
@@ -333,6 +338,7 @@ class Scheduler:
                 self.observer.request_scheduled(request)
             self.running.append(request)
             rows.append(ScheduledRequest(request, num_new, block_ids))
+            self._cache_ahead(rows[-1])
             budget -= num_new
         for request in reversed(passed_over):  # back in their places, ahead of the rest
             self.waiting.add_front(request)
@@ -395,6 +401,11 @@ class Scheduler:
         return outputs
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _cache_ahead(self, row: ScheduledRequest) -> None:
+        """Register the blocks ``row``'s chunk fills (not its drafts', which may be rejected)."""
+        request = row.request
+        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens + row.num_new_tokens)
 
     def _plan_drafts(self, budget: int) -> dict[str, list[int]]:
         """Draft tokens of the requests that decode this step, by id (``sched/spec/``)."""

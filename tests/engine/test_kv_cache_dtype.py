@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.model.native import NativeKernels, build, cpu_features
+from engine_svc.model.native.kernels import KernelError
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import TIE_EPS, _prompts
@@ -74,6 +75,31 @@ def test_a_bfloat16_cache_beside_float32_rows_reads_as_its_float32_values(
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="cache beside torch.bfloat16 rows"):  # only ever narrower
         kernels.decode_attention(outs[0][:rows].bfloat16(), q.bfloat16(), k32, v32, table, lens, 9, 0.1)
+
+
+@pytest.mark.parametrize("rows", [3, 300])  # one thread; rows split across threads
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)])  # fmt: skip
+def test_write_kv_stores_what_index_copy_stores(kernels, rows, dtype, cache_dtype):
+    """The native K/V write: views of a fused qkv tensor into scattered slots, the same bits
+    as torch's index_copy_ of the same rows (a bfloat16 cache: rounded as torch rounds)."""
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, head_dim, blocks, block_size = 9, 3, 64, 40, 16
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=g)[:rows]
+    got = [torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+    want = [c.clone() for c in got]
+    assert kernels.write_kv(*got, k, v, slots)
+    for cache, x in zip(want, (k, v)):
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, x.to(cache_dtype))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(KernelError, match="slot outside"):
+        kernels.write_kv(*got, k, v, torch.where(slots == slots[-1], blocks * block_size, slots))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # refused whole: nothing written
+    head_major = k.transpose(1, 2).contiguous().transpose(1, 2)  # k's shape, not its rows' layout
+    assert not kernels.write_kv(*got, head_major, v, slots)  # the caller copies those
 
 
 @pytest.fixture(scope="module")

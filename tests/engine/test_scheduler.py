@@ -6,6 +6,7 @@ runner output that "samples" a fixed token for every row with ``needs_sample``.
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -48,7 +49,10 @@ def make_scheduler(
 def make_request(
     request_id: str, prompt: int | list[int], *, max_tokens=4, priority=0, arrival=0.0, **params
 ) -> Request:
-    prompt_ids = list(range(100, 100 + prompt)) if isinstance(prompt, int) else prompt
+    # a prompt of n tokens of its own: requests share a prefix only where a test says so
+    # (hits come within a step too: a chunk's full blocks are hittable once scheduled)
+    start = 100 + 1000 * (zlib.crc32(request_id.encode()) % 1000)
+    prompt_ids = list(range(start, start + prompt)) if isinstance(prompt, int) else prompt
     return Request(
         request_id,
         prompt_ids,

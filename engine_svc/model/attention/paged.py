@@ -8,12 +8,19 @@ from engine_svc.model.attention.layout import KVCache
 from engine_svc.model.attention.metadata import AttentionMetadata
 from engine_svc.model.attention.native import NativeDecode, NativePrefill, native_decode, native_prefill
 from engine_svc.model.attention.sdpa import SdpaDecode, SdpaPrefill, sdpa_decode, sdpa_prefill
+from engine_svc.model.native import NativeKernels
 
 
-def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kernels: NativeKernels | None = None
+) -> None:
     """Store the step's k, v ``[num_tokens, kv_heads, head_dim]`` at their slots (rounded
-    to the cache's dtype where it is narrower: ``--kv-cache-dtype bfloat16``)."""
+    to the cache's dtype where it is narrower: ``--kv-cache-dtype bfloat16``): with the
+    native kernels, one copy per row (torch's ``index_copy_`` took ~3% of a prefill step
+    on views of the fused qkv projection), else, or for rows they do not take, by torch."""
     k_cache, v_cache = kv_cache
+    if kernels is not None and kernels.write_kv(k_cache, v_cache, k, v, slot_mapping):
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -34,7 +41,8 @@ def paged_attention(
     A layer with a ``sliding_window`` reads the step's metadata for that window.
     """
     meta = meta.for_window(sliding_window)
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    native = meta.prefill if isinstance(meta.prefill, NativePrefill) else meta.decode
+    write_kv(kv_cache, k, v, meta.slot_mapping, native.kernels if isinstance(native, (NativePrefill, NativeDecode)) else None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
     match meta.decode:
         case NativeDecode() as native_d:

@@ -114,6 +114,38 @@ static inline __attribute__((always_inline)) void dots8(const float *q, const vo
     hsum8(acc, scores);
 }
 
+#if defined(__AVX512F__)
+/* out[0..16) := the lane sums of 16 vectors, as a tree: each level adds pairs of vectors'
+ * halves (within 128-bit lanes, then across them), 45 operations for the 16 sums where
+ * summing lane by lane costs 16 each. */
+static inline __attribute__((always_inline)) void hsum16(const vf acc[16], float *out) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++) { /* tokens 2i, 2i+1: per 128-bit lane (a0+a2, b0+b2, a1+a3, b1+b3) */
+        const __m512 a = (__m512)acc[2 * i], b = (__m512)acc[2 * i + 1];
+        l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    for (int i = 0; i < 4; i++) /* tokens 4i .. 4i+3, one partial sum per 128-bit lane */
+        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++) /* tokens 8i .. 8i+7, two partial sums each */
+        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88), _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD)));
+}
+
+/* dots8 for 16 tokens, reduced by hsum16. */
+static inline __attribute__((always_inline)) void dots16(const float *q, const void *k, size_t koff, size_t stride, int head_dim,
+                                                         int dtype, float *scores) {
+    vf acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = vzero();
+    for (int d = 0; d < head_dim; d += TK_VL) {
+        const vf qv = vload(q + d);
+        for (int t = 0; t < 16; t++) acc[t] += qv * vload_any(k, koff + (size_t)t * stride + d, dtype);
+    }
+    hsum16(acc, scores);
+}
+#endif
+
 /* Query heads that share a KV head, this many at a time in the weighted sum of V, and
  * vectors of head dimensions per pass: HC * WS_NV accumulators stay in registers. */
 #if defined(__AVX512F__)
@@ -158,10 +190,14 @@ static inline __attribute__((always_inline)) void weighted_sum_heads(const int h
 
 /* Softmax in place over s[0 .. n). */
 static void softmax(float *s, int n) {
-    float m = -INFINITY;
-    for (int t = 0; t < n; t++) m = fmaxf(m, s[t]);
-    vf sum = vzero();
+    vf mv = vbcast(-INFINITY);
     int t = 0;
+    for (; t + TK_VL <= n; t += TK_VL) mv = vmax(mv, vload(s + t));
+    float m = -INFINITY;
+    for (int l = 0; l < TK_VL; l++) m = m > mv[l] ? m : mv[l];
+    for (; t < n; t++) m = m > s[t] ? m : s[t];
+    vf sum = vzero();
+    t = 0;
     for (; t + TK_VL <= n; t += TK_VL) {
         const vf e = vexp_nonpositive(vload(s + t) - m);
         vstore(s + t, e);
@@ -173,7 +209,8 @@ static void softmax(float *s, int n) {
         total += s[t];
     }
     const float c = 1.0f / total;
-    for (t = 0; t < n; t++) s[t] *= c;
+    for (t = 0; t + TK_VL <= n; t += TK_VL) vstore(s + t, vload(s + t) * c);
+    for (; t < n; t++) s[t] *= c;
 }
 
 /* One decode row. qf: the row's query heads in float32, pre-scaled; of: float32 output;
@@ -198,6 +235,10 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
             float *sh = scores + (size_t)h * len + t0;
             const size_t koff = kb + (size_t)(h / group) * head_dim;
             int i = 0;
+#if defined(__AVX512F__)
+            if (vec)
+                for (; i + 16 <= n; i += 16) dots16(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
+#endif
             if (vec)
                 for (; i + 8 <= n; i += 8) dots8(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
             for (; i < n; i++) sh[i] = dot(qh, k_cache, koff + (size_t)i * token_stride, head_dim, dtype);
@@ -281,41 +322,86 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
     return failed;
 }
 
-/* acc[r] += sum_k a[r * ars + k * aks] * b[k * ldb .. + TK_VL) for r < mr: one register tile.
- * A is read with any row and k strides (rows of K, or columns of P^T). */
-static inline __attribute__((always_inline)) void tile_rows(const int mr, const float *a, size_t ars, size_t aks,
-                                                            const float *b, size_t ldb, int kdim, vf acc[MR]) {
+/* Accumulators one register tile of small_gemm holds: 24 of AVX512's 32 vector registers,
+ * 12 of AVX2's 16 (the rest hold B's vectors and A's broadcast). */
+#if defined(__AVX512F__)
+#define TILE_ACC 24
+#else
+#define TILE_ACC 12
+#endif
+
+/* C[0..mr)[0..nv vectors) (= or +=) A[0..mr)[0..kdim) B[0..kdim)[0..nv vectors), one
+ * register tile (mr, nv literal at each call). A is read with any row and k strides (rows
+ * of K, or columns of P^T). Each sum is a chain of multiply-adds in k order, whatever the
+ * tile's shape. */
+static inline __attribute__((always_inline)) void tile(const int mr, const int nv, float *c, size_t ldc, const float *a,
+                                                       size_t ars, size_t aks, const float *b, size_t ldb, int kdim,
+                                                       int accumulate) {
+    vf acc[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int i = 0; i < nv; i++) acc[r][i] = accumulate ? vload(c + (size_t)r * ldc + i * TK_VL) : vzero();
     for (int k = 0; k < kdim; k++) {
-        const vf bk = vload(b + (size_t)k * ldb);
-        for (int r = 0; r < mr; r++) acc[r] += vbcast(a[(size_t)r * ars + (size_t)k * aks]) * bk;
+        vf bk[4];
+        for (int i = 0; i < nv; i++) bk[i] = vload(b + (size_t)k * ldb + i * TK_VL);
+        for (int r = 0; r < mr; r++) {
+            const vf ar = vbcast(a[(size_t)r * ars + (size_t)k * aks]);
+            for (int i = 0; i < nv; i++) acc[r][i] += ar * bk[i];
+        }
     }
+    for (int r = 0; r < mr; r++)
+        for (int i = 0; i < nv; i++) vstore(c + (size_t)r * ldc + i * TK_VL, acc[r][i]);
 }
 
-/* C[rows][cols] (= or +=) A[rows][kdim] B[kdim][cols]; cols a multiple of TK_VL. */
+/* Rows r0 .. rows of small_gemm's product at columns [j, j + nv vectors), one vector at a
+ * time in tiles of up to MR rows. */
+static void narrow_rows(float *c, size_t ldc, const float *a, size_t ars, size_t aks, const float *b, size_t ldb,
+                        int r0, int rows, int j, int nv, int kdim, int accumulate) {
+    for (int jj = j; jj < j + nv * TK_VL; jj += TK_VL)
+        for (int r = r0; r < rows; r += MR) {
+            float *cr = c + (size_t)r * ldc + jj;
+            const float *ar = a + (size_t)r * ars, *bj = b + jj;
+            switch (rows - r < MR ? rows - r : MR) { /* a literal row count per case: the tile stays in registers */
+#define NARROW(m) tile(m, 1, cr, ldc, ar, ars, aks, bj, ldb, kdim, accumulate)
+            case 12: NARROW(12); break;
+            case 11: NARROW(11); break;
+            case 10: NARROW(10); break;
+            case 9: NARROW(9); break;
+            case 8: NARROW(8); break;
+            case 7: NARROW(7); break;
+            case 6: NARROW(6); break;
+            case 5: NARROW(5); break;
+            case 4: NARROW(4); break;
+            case 3: NARROW(3); break;
+            case 2: NARROW(2); break;
+            default: NARROW(1); break;
+#undef NARROW
+            }
+        }
+}
+
+/* C[rows][cols] (= or +=) A[rows][kdim] B[kdim][cols]; cols a multiple of TK_VL. Columns in
+ * groups of up to 4 vectors, rows in tiles of TILE_ACC / nv: each B vector loaded serves
+ * every row of the tile, each broadcast of A every vector (one vector wide, a tile of 12
+ * rows needed 13 loads for its 12 multiply-adds); the rows past the last whole tile go
+ * one vector at a time. */
 static void small_gemm(float *c, size_t ldc, const float *a, size_t ars, size_t aks, const float *b, size_t ldb,
                        int rows, int cols, int kdim, int accumulate) {
-    for (int j = 0; j < cols; j += TK_VL)
-        for (int r0 = 0; r0 < rows; r0 += MR) {
-            const int mr = rows - r0 < MR ? rows - r0 : MR;
-            vf acc[MR];
-            for (int r = 0; r < mr; r++) acc[r] = accumulate ? vload(c + (size_t)(r0 + r) * ldc + j) : vzero();
-            const float *ar = a + (size_t)r0 * ars;
-            switch (mr) { /* a literal row count per case: the tile stays in registers */
-            case 12: tile_rows(12, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 11: tile_rows(11, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 10: tile_rows(10, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 9: tile_rows(9, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 8: tile_rows(8, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 7: tile_rows(7, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 6: tile_rows(6, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 5: tile_rows(5, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 4: tile_rows(4, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 3: tile_rows(3, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            case 2: tile_rows(2, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            default: tile_rows(1, ar, ars, aks, b + j, ldb, kdim, acc); break;
-            }
-            for (int r = 0; r < mr; r++) vstore(c + (size_t)(r0 + r) * ldc + j, acc[r]);
+    for (int j = 0; j < cols;) {
+        const int left = (cols - j) / TK_VL, nv = left < 4 ? left : 4;
+        int r = 0;
+        switch (nv) { /* literal tile shapes */
+#define WIDE(n)                                                                                                       \
+    for (; r + TILE_ACC / (n) <= rows; r += TILE_ACC / (n))                                                          \
+        tile(TILE_ACC / (n), n, c + (size_t)r * ldc + j, ldc, a + (size_t)r * ars, ars, aks, b + j, ldb, kdim, accumulate)
+        case 4: WIDE(4); break;
+        case 3: WIDE(3); break;
+        case 2: WIDE(2); break;
+        default: break;
+#undef WIDE
         }
+        narrow_rows(c, ldc, a, ars, aks, b, ldb, r, rows, j, nv, kdim, accumulate);
+        j += nv * TK_VL;
+    }
 }
 
 typedef struct {

@@ -36,6 +36,7 @@ _SIGNATURES = {
     "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _I, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I],
     "tk_qgemm_int8": [],
     "tk_decode_stack": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I],
+    "tk_write_kv": [_P, _P, _I, _P, _P, _L, _I, _P, _I, _I, _L, _I],
 }
 
 
@@ -330,6 +331,32 @@ class NativeKernels:
         _check("rope", rc)
 
     # -- attention --------------------------------------------------------------------
+
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> bool:
+        """k, v ``[rows, kv_heads, head_dim]`` (views of one fused qkv tensor, say) into
+        their slots (int64 ``[rows]``) of the caches ``[blocks, block_size, kv_heads,
+        head_dim]``, rounded where the caches are bfloat16 beside float32 rows. False, with
+        nothing written, for rows the kernel does not take as they lie (the caller copies
+        them another way); raises on a slot outside the caches."""
+        rows, kv_heads, head_dim = k.shape
+        width = kv_heads * head_dim
+        if (
+            v.shape != k.shape or v.dtype != k.dtype or k.stride(0) != v.stride(0)
+            or k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1)
+            or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (k.dtype, torch.bfloat16)
+            or k_cache.shape != v_cache.shape or k_cache.shape[2] * k_cache.shape[3] != width
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous())
+            or slots.dtype != torch.int64 or slots.shape != (rows,)
+        ):  # fmt: skip
+            return False
+        rc = self._lib.tk_write_kv(
+            k_cache.data_ptr(), v_cache.data_ptr(), _code(k_cache), k.data_ptr(), v.data_ptr(), k.stride(0),
+            _code(k), slots.data_ptr(), rows, width, k_cache.numel() // width, torch.get_num_threads(),
+        )  # fmt: skip
+        _check("write_kv (a slot outside the cache?)", rc)
+        return True
 
     def _check_attention(
         self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

@@ -90,6 +90,32 @@ static void write_kv_row(void *cache, int64_t slot, const float *row, int n, int
     }
 }
 
+/* The step's K and V rows into their slots of the paged caches (the Python path's write
+ * before attention): row i of k, at k + i * stride (width values, dtype sdtype), goes to
+ * slot slots[i] of k_cache (dtype cdtype: sdtype's, or bfloat16 beside float32 rows), and
+ * the same for v. Every slot is checked against num_slots first: 2, nothing written, if one
+ * is outside it or the dtypes do not pair. A row is one thread's; rows split across threads
+ * from 256 on (a prefill chunk), below that one thread copies them all. */
+int tk_write_kv(void *k_cache, void *v_cache, int cdtype, const void *k, const void *v, long stride, int sdtype,
+                const int64_t *slots, int rows, int width, long num_slots, int num_threads) {
+    if (rows < 0 || width <= 0 || !(cdtype == sdtype || (cdtype == TK_BF16 && sdtype == TK_F32))) return 2;
+    for (int i = 0; i < rows; i++)
+        if (slots[i] < 0 || slots[i] >= num_slots) return 2;
+    const size_t se = sdtype == TK_BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(rows >= 256 ? num_threads : 1) schedule(static)
+    for (int i = 0; i < rows; i++) {
+        const char *kr = (const char *)k + (size_t)i * stride * se, *vr = (const char *)v + (size_t)i * stride * se;
+        if (sdtype == TK_BF16) { /* a bfloat16 cache beside bfloat16 rows: as they are */
+            memcpy((bf16 *)k_cache + (size_t)slots[i] * width, kr, 2 * (size_t)width);
+            memcpy((bf16 *)v_cache + (size_t)slots[i] * width, vr, 2 * (size_t)width);
+        } else {
+            write_kv_row(k_cache, slots[i], (const float *)kr, width, cdtype);
+            write_kv_row(v_cache, slots[i], (const float *)vr, width, cdtype);
+        }
+    }
+    return 0;
+}
+
 static int linear(const tk_linear *l, const float *x, int M, float *y, int threads) {
     if (l->quantized)
         return tk_qgemm(x, l->k, l->kind, l->w, l->scale, l->min, l->sdtype, l->group, l->bias, y, l->n, TK_F32, M,

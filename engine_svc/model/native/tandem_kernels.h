@@ -118,7 +118,7 @@ static inline void store_any(void *base, size_t i, float x, int dtype) {
 /* exp(x) for x <= 0 as a polynomial the compiler can vectorise (Cephes expf: range
  * reduction by ln 2, degree-5 minimax; relative error ~1e-7 on [-87, 0]). */
 static inline float exp_nonpositive(float x) {
-    x = fmaxf(x, -87.0f);
+    x = x > -87.0f ? x : -87.0f; /* fmaxf, NaN included, without a call into libm */
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
