@@ -1,7 +1,7 @@
 """A decode step's native kernels alone, at one and two threads, against another commit's.
 
     python -m benchmarks.decode_kernels [--baseline REV] [--rows 8 37] [--threads 1 2]
-        [--parts gemm attention] [--dtype float32] [--repeats 7] [--json OUT]
+        [--parts gemm attention] [--dtype float32] [--repeats 7] [--block-size 16] [--json OUT]
 
 Two parts of a decode step, on SmolLM2-135M's shapes (30 layers; hidden 576, 9 query and
 3 KV heads of 64, intermediate 1536, vocabulary 49,152):
@@ -11,14 +11,16 @@ Two parts of a decode step, on SmolLM2-135M's shapes (30 layers; hidden 576, 9 q
   weights, so that they stream from memory as a model's do (538 MB in float32).
 * ``attention``: decode attention of every layer over a paged cache whose blocks are
   scattered through the pool, as a running engine's are (contexts 100-700 tokens, drawn
-  once; block size 16).
+  once; block size 16, or `--block-size`).
 
 Each is timed on this checkout's kernels and, with ``--baseline``, on the same sources at
 another commit, built with the same flags into a temporary folder; every (build, threads)
 arm is timed in turns (``quant_gemm.timed``: each repeat times every arm once, so a change
 in the machine's load falls on all of them alike), wall clock, median of ``--repeats``.
-Every arm's outputs are compared bit for bit with the first arm's: the kernels never split
-a sum across threads, so neither the thread count nor the work split may change a bit.
+Every arm's outputs are compared bit for bit with its build's first arm's: the kernels
+never split a sum across threads, so neither the thread count nor the work split may
+change a bit; between builds (a change of summation order) the largest difference is
+printed.
 Prints ms per pass and the ratio to the baseline at the same thread count, the CPU, its
 flags and the load average.
 """
@@ -40,7 +42,7 @@ from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
 from engine_svc.model.native.build import HEADERS, SOURCES, compiler, flags
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 NATIVE = "engine_svc/model/native"
 
 
@@ -73,17 +75,17 @@ def gemm_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dtype):
     return fns
 
 
-def attention_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dtype):
+def attention_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dtype, block: int = 16):
     """Per build: a function running decode attention over every layer's cache."""
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 701, (rows,), generator=gen, dtype=torch.int32)
-    per_row = [(int(c) + BLOCK - 1) // BLOCK for c in ctx]
+    per_row = [(int(c) + block - 1) // block for c in ctx]
     num_blocks = sum(per_row)
     stride = max(per_row)
     caches, tables = [], []
     for _ in range(LAYERS):
-        k = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        v = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        k = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        v = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
         order = torch.randperm(num_blocks, generator=gen).to(torch.int32)  # blocks anywhere in the pool
         table = torch.zeros(rows, stride, dtype=torch.int32)
         used = 0
@@ -109,6 +111,10 @@ def attention_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dt
     return fns, num_bytes
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
 def threaded(fn, n: int):
     def run():
         torch.set_num_threads(n)
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", nargs="+", choices=("gemm", "attention"), default=["gemm", "attention"])
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the attention part")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     current = load_kernels()
@@ -146,18 +153,20 @@ def main(argv: list[str] | None = None) -> int:
                 if part == "gemm":
                     fns, num_bytes = gemm_part(kernels, rows, dtype), None
                 else:
-                    fns, num_bytes = attention_part(kernels, rows, dtype)
+                    fns, num_bytes = attention_part(kernels, rows, dtype, args.block_size)
                 arms = {f"{b}@{n}": threaded(fn, n) for n in args.threads for b, fn in fns.items()}
-                first = None
+                # Within a build, the thread count may not change a bit; between builds, a
+                # change of summation order may: the largest difference is printed.
+                firsts, max_diff = {}, 0.0
                 for name, fn in arms.items():
                     out = [t.clone() for t in fn()]
-                    if first is None:
-                        first = out
-                    elif any(not torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                                             b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
-                             for a, b in zip(first, out)):  # fmt: skip
-                        raise SystemExit(f"{part}, {rows} rows: {name}'s outputs differ from the first arm's")
-                del first, out
+                    build = name.split("@")[0]
+                    first = firsts.setdefault(build, out)
+                    if any(not torch.equal(_bits(a), _bits(b)) for a, b in zip(first, out)):
+                        raise SystemExit(f"{part}, {rows} rows: {name}'s outputs differ from {build}'s first arm's")
+                    ref = next(iter(firsts.values()))
+                    max_diff = max([max_diff] + [(a.float() - b.float()).abs().max().item() for a, b in zip(ref, out)])
+                del firsts, out
                 load_before = os.getloadavg()
                 times = timed(arms, time.perf_counter, args.repeats)
                 load_after = os.getloadavg()
@@ -173,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                         b = times[f"base@{n}"]
                         line += f" (base {1e3 * b:7.2f}, {b / t:.2f}x)"
                         row[f"speedup@{n}"] = b / t
+                if args.baseline:
+                    line += f" | max |new - base| {max_diff:.2e}"
+                    row["max_abs_diff"] = max_diff
                 line += f" | load {load_before[0]:.2f}-{load_after[0]:.2f}"
                 print(line, flush=True)
                 results.append(row)

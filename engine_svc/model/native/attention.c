@@ -213,22 +213,36 @@ static void softmax(float *s, int n) {
     for (; t < n; t++) s[t] *= c;
 }
 
+/* A decode row reads its context in spans of up to SPAN tokens, each within one block: while
+ * every head reads a span (from L1 once its first head has brought it in), the next span is
+ * requested. With blocks of 16 tokens a span is a block; with larger blocks, a span keeps
+ * what is requested ahead to a fixed size, which L1 holds beside the span being read. */
+#define SPAN 16
+
+/* Offset (in elements) of token t of a row's context, and the tokens from t to the end of
+ * its span. */
+static inline size_t span_at(const int32_t *table, int t, int len, int block_size, size_t token_stride, int *n) {
+    const int in_block = block_size - t % block_size, left = len - t;
+    *n = in_block < SPAN ? in_block : SPAN;
+    if (left < *n) *n = left;
+    return ((size_t)table[t / block_size] * block_size + t % block_size) * token_stride;
+}
+
 /* One decode row. qf: the row's query heads in float32, pre-scaled; of: float32 output;
- * scores [heads][len]. Block by block, every head reads the block while it is in L1, and
- * the next block is requested while this one is worked on. */
+ * scores [heads][len]. Span by span, every head reads the span while it is in L1, and the
+ * next span is requested while this one is worked on. */
 static inline __attribute__((always_inline)) void decode_row(float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table,
                        int len, int num_heads, int group, int head_dim, int block_size,
                        size_t token_stride, size_t elem, int dtype, float *scores) {
-    const size_t block_elems = (size_t)block_size * token_stride;
-    const int num_blocks = (len + block_size - 1) / block_size;
     const int vec = head_dim % TK_VL == 0;
     const int num_kv_heads = num_heads / group;
-    const size_t lines = (block_elems * elem + 63) / 64;
+    const size_t lines = (SPAN * token_stride * elem + 63) / 64;
     const size_t k_chunk = (lines + num_heads - 1) / num_heads, v_chunk = (lines + num_kv_heads - 1) / num_kv_heads;
-    for (int b = 0; b < num_blocks; b++) {
-        const size_t kb = (size_t)table[b] * block_elems;
-        const char *k_next = k_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
-        const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+    int n, n_next = 0;
+    size_t kb = span_at(table, 0, len, block_size, token_stride, &n);
+    for (int t0 = 0; t0 < len; t0 += n, n = n_next) {
+        const size_t next = t0 + n < len ? span_at(table, t0 + n, len, block_size, token_stride, &n_next) : kb;
+        const char *k_next = k_cache + next * elem;
         for (int h = 0; h < num_heads; h++) {
             prefetch_part(k_next, lines, k_chunk, h);
             const float *qh = qf + (size_t)h * head_dim;
@@ -243,13 +257,14 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
                 for (; i + 8 <= n; i += 8) dots8(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
             for (; i < n; i++) sh[i] = dot(qh, k_cache, koff + (size_t)i * token_stride, head_dim, dtype);
         }
+        kb = next;
     }
     for (int h = 0; h < num_heads; h++) softmax(scores + (size_t)h * len, len);
     memset(of, 0, sizeof(float) * (size_t)num_heads * head_dim);
-    for (int b = 0; b < num_blocks; b++) {
-        const size_t vb = (size_t)table[b] * block_elems;
-        const char *v_next = v_cache + (size_t)table[b + 1 < num_blocks ? b + 1 : b] * block_elems * elem;
-        const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+    size_t vb = span_at(table, 0, len, block_size, token_stride, &n), v_next_off;
+    for (int t0 = 0; t0 < len; t0 += n, n = n_next, vb = v_next_off) {
+        v_next_off = t0 + n < len ? span_at(table, t0 + n, len, block_size, token_stride, &n_next) : vb;
+        const char *v_next = v_cache + v_next_off * elem;
         for (int g = 0; g < num_kv_heads; g++) { /* the group of query heads that read KV head g */
             prefetch_part(v_next, lines, v_chunk, g);
             const size_t voff = vb + (size_t)g * head_dim;
