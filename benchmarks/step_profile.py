@@ -33,7 +33,8 @@ def build_engine(model: str, dtype: str, kernels: str, max_num_seqs: int = 64, m
     from engine_svc.core import EngineCore
 
     argv = ["--model", model, "--dtype", dtype, "--kernels", kernels, "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-bytes", str(2 << 30), *extra]  # fmt: skip
+            "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-bytes", str(2 << 30),
+            *extra]  # fmt: skip
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig.from_args(build_parser().parse_args(argv)))
     core.warmup()
@@ -70,8 +71,10 @@ def run(args) -> dict:
     workload = load(args.workload)[: args.max_requests or None]
     shape = ModelShape.from_model_dir(args.model)
     num_threads = torch.get_num_threads()
-    core, startup_s = build_engine(args.model, args.dtype, args.kernels, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    extra=tuple(args.engine_arg))
+    core, startup_s = build_engine(
+        args.model, args.dtype, args.kernels, max_num_batched_tokens=args.max_num_batched_tokens,
+        extra=tuple(args.engine_arg),
+    )  # fmt: skip
     recorder = StepRecorder(shape)
     recorder.attach(core)
     timed_step = core.step
@@ -139,8 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kernels", default="auto")
     p.add_argument("--max-requests", type=int, default=0, help="the first N requests only (0 = all)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tokens a step (vs_vllm's prefill-heavy cells: 4096)")
-    p.add_argument("--engine-arg", action="append", default=[], help="one more engine argument (repeatable), e.g. --engine-arg=--block-size=64")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=1024, help="tokens a step (vs_vllm's prefill-heavy cells: 4096)"
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="one more engine argument (repeatable), e.g. --engine-arg=--block-size=64",
+    )
     p.add_argument("--ops", action="store_true", help="also print torch.profiler op tables")
     p.add_argument("--op-rows", type=int, default=25)
     p.add_argument("--json", default=None)

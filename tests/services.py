@@ -133,6 +133,11 @@ class ServiceProcess:
 
 
 def start_engine(model_dir: Path | str, *extra: str, port: int = 0, env=None, **kw) -> ServiceProcess:
+    """An engine on the demo model or another; blocks of 16 tokens unless ``extra`` names a
+    size: the service tests size pools (``--num-kv-blocks``) and shared prefixes in blocks of
+    16, whatever the default is."""
+    if not any(a == "--block-size" or a.startswith("--block-size=") for a in extra):
+        extra = ("--block-size", "16", *extra)
     return ServiceProcess("engine_svc", ["--model", str(model_dir), "--port", str(port), *extra], env=env, **kw)
 
 

@@ -180,7 +180,8 @@ class KVCacheManager:
         if not table:
             return
         ahead = num_tokens is not None
-        num_full = min((num_tokens if ahead else request.num_computed_tokens) // self.block_size, len(table))
+        written = request.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(written // self.block_size, len(table))
         start = self._num_handled_blocks.get(request_id, 0)
         if num_full <= start:
             return

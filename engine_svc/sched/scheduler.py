@@ -272,7 +272,7 @@ class Scheduler:
         # No preemption from here on: the blocks this step's chunks fill can be hit by the
         # requests admitted below (kv_cache.py, "Within a step").
         for row in running_rows:
-            self._cache_ahead(row)
+            self._cache_ahead(self.requests[row.request.request_id], row.num_new_tokens)
         # After a preemption the pool is tight: admitting more would only thrash.
         new_rows = [] if preempted else self._schedule_waiting(budget)
         finished_ids, self._finished_ids = self._finished_ids, set()
@@ -338,7 +338,7 @@ class Scheduler:
                 self.observer.request_scheduled(request)
             self.running.append(request)
             rows.append(ScheduledRequest(request, num_new, block_ids))
-            self._cache_ahead(rows[-1])
+            self._cache_ahead(request, num_new)
             budget -= num_new
         for request in reversed(passed_over):  # back in their places, ahead of the rest
             self.waiting.add_front(request)
@@ -402,10 +402,10 @@ class Scheduler:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _cache_ahead(self, row: ScheduledRequest) -> None:
-        """Register the blocks ``row``'s chunk fills (not its drafts', which may be rejected)."""
-        request = row.request
-        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens + row.num_new_tokens)
+    def _cache_ahead(self, request: Request, num_new: int) -> None:
+        """Register the blocks the step's ``num_new`` tokens of ``request`` fill (not its
+        drafts', which may be rejected)."""
+        self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
 
     def _plan_drafts(self, budget: int) -> dict[str, list[int]]:
         """Draft tokens of the requests that decode this step, by id (``sched/spec/``)."""

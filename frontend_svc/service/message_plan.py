@@ -164,6 +164,8 @@ def finish(
         raise _invalid("tool_choice" if tools.choice.forced else "sampling_params", str(e)) from None
     if grammar is not None:
         params = replace(params, structured=StructuredOutput(kind="grammar", text=grammar))
+        if tools.choice.forced:  # the grammar writes calls only
+            fmt = replace(fmt, calls_only=True)
 
     tags = list(_FORMAT_TAGS.get(fmt.tools.name, ())) if fmt.tools is not None else []
     if fmt.reasoning:

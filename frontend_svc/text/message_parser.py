@@ -67,6 +67,10 @@ class MessageFormat:
     tools: ToolCallFormat | None = None
     reasoning: bool = False
     starts_in_thought: bool = False
+    # Forced calls (tool_choice required or a named function): the grammar writes calls and
+    # the separators between them, nothing else, so no text is content; a call cut short
+    # by max_tokens before its name would otherwise come out as raw markup.
+    calls_only: bool = False
 
     @property
     def active(self) -> bool:
@@ -109,7 +113,8 @@ class MessageParser:
         for delta in (parsed, self._tools.finish() if final else None):
             if delta is None:
                 continue
-            out.content += delta.content
+            if not self.fmt.calls_only:
+                out.content += delta.content
             for piece in delta.tool_calls:
                 first = piece.name is not None
                 out.tool_calls.append(
@@ -132,4 +137,4 @@ class MessageParser:
             return AssistantMessage(body, reasoning)
         parsed = self.fmt.tools.parse(body)
         calls = tuple(FinishedCall(self.call_id(i), c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
-        return AssistantMessage(parsed.content, reasoning, calls)
+        return AssistantMessage("" if self.fmt.calls_only else parsed.content, reasoning, calls)

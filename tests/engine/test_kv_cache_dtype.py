@@ -15,8 +15,8 @@ from transformers import DynamicCache
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.model.native import NativeKernels, build, cpu_features
-from engine_svc.model.native.kernels import KernelError
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
+from engine_svc.model.native.kernels import KernelError
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import TIE_EPS, _prompts
 from tests.engine.test_native_kernels import _caches

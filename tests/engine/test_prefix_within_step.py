@@ -19,7 +19,10 @@ PROMPTS = [SHARED + [60, 61, 62], SHARED + [70, 71], SHARED[:40] + [80]]
 def _core(model_dir, prefix_caching: bool = True) -> EngineCore:
     return EngineCore(
         EngineConfig(
-            model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=16,
+            model=str(model_dir),
+            dtype="float32",
+            num_kv_blocks=64,
+            block_size=16,
             enable_prefix_caching=prefix_caching,
         )  # fmt: skip
     )

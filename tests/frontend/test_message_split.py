@@ -147,3 +147,21 @@ def test_forced_and_answer_grammars_go_to_the_engine_as_one_lark_grammar():
     none = ToolRequest((ToolSpec("get_weather"),), ToolChoice("none"))
     _, params, _ = finish(None, "user: hi", none, answer, True, TOK, OutputParsers())
     assert params.structured == StructuredOutput("json_object")  # none: the client's format alone
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_forced_calls_cut_short_before_a_name_leave_no_markup_in_the_content(merged):
+    """tool_choice required: the grammar writes calls only, so a call that max_tokens cuts
+    before its name is dropped, not handed back as text (as it is where calls are optional)."""
+    tools = ToolRequest((ToolSpec("get_weather"),), ToolChoice("required"))
+    fmt, _, _ = finish(ChatRendering([], {}, FORMATS["hermes"]), "user: hi", tools, SamplingParams(), True, TOK,
+                       OutputParsers())  # fmt: skip
+    assert fmt.calls_only
+    cut = f'<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{{"name": "get_weather", "argu'
+    stream, last = run(cut, fmt, LENGTH, merged)
+    assert stream["content"] == "" and [c["name"] for c in stream["calls"]] == ["get_weather"]
+    assert last.message.content == "" and len(last.message.tool_calls) == 1
+    auto, _, _ = finish(ChatRendering([], {}, FORMATS["hermes"]), "user: hi", ToolRequest((ToolSpec("get_weather"),)),
+                        SamplingParams(), True, TOK, OutputParsers())  # fmt: skip
+    stream, _ = run(cut, auto, LENGTH, merged)
+    assert stream["content"].endswith('"argu')  # optional calls: the cut block is text, as before

@@ -12,7 +12,11 @@ from engine_svc.model.native import NativeKernels
 
 
 def write_kv(
-    kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kernels: NativeKernels | None = None
+    kv_cache: KVCache,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kernels: NativeKernels | None = None,
 ) -> None:
     """Store the step's k, v ``[num_tokens, kv_heads, head_dim]`` at their slots (rounded
     to the cache's dtype where it is narrower: ``--kv-cache-dtype bfloat16``): with the
@@ -42,7 +46,9 @@ def paged_attention(
     """
     meta = meta.for_window(sliding_window)
     native = meta.prefill if isinstance(meta.prefill, NativePrefill) else meta.decode
-    write_kv(kv_cache, k, v, meta.slot_mapping, native.kernels if isinstance(native, (NativePrefill, NativeDecode)) else None)
+    write_kv(
+        kv_cache, k, v, meta.slot_mapping, native.kernels if isinstance(native, (NativePrefill, NativeDecode)) else None
+    )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
     match meta.decode:
         case NativeDecode() as native_d:
