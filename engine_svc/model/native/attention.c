@@ -33,6 +33,7 @@
  */
 #include <stdlib.h>
 
+#include "gemm_bf16.h"
 #include "tandem_kernels.h"
 
 #define MAX_HEADS 1024
@@ -419,6 +420,56 @@ static void small_gemm(float *c, size_t ldc, const float *a, size_t ars, size_t 
     }
 }
 
+#if TK_BF16_DP
+/* S^T [0..mt)[0..nv vectors) := K [mt tokens][hd] Q^T, as bfloat16 dot products (AVX512-BF16
+ * builds, bfloat16 rows over a bfloat16 cache): each step takes a pair of dimensions, a
+ * key's pair broadcast against Q^T's pairs (qt2 [hd/2][rows][2]), with float32 sums; the
+ * scale is the caller's to apply. k: the first token's key, ks: elements between tokens. */
+static inline __attribute__((always_inline)) void scores_dp_tile(const int mt, const int nv, float *st, int rows,
+                                                                 const bf16 *k, size_t ks, const bf16 *qt2, int hd) {
+    __m512 acc[8][3];
+    for (int t = 0; t < mt; t++)
+        for (int i = 0; i < nv; i++) acc[t][i] = _mm512_setzero_ps();
+    for (int p = 0; p < hd / 2; p++) {
+        __m512bh b[3];
+        for (int i = 0; i < nv; i++) b[i] = (__m512bh)_mm512_loadu_si512(qt2 + ((size_t)p * rows + i * 16) * 2);
+        for (int t = 0; t < mt; t++) {
+            int32_t pair;
+            memcpy(&pair, k + (size_t)t * ks + 2 * p, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int i = 0; i < nv; i++) acc[t][i] = _mm512_dpbf16_ps(acc[t][i], a, b[i]);
+        }
+    }
+    for (int t = 0; t < mt; t++)
+        for (int i = 0; i < nv; i++) _mm512_storeu_ps(st + (size_t)t * rows + i * 16, acc[t][i]);
+}
+
+/* S^T [ntok][rows] = K Q^T over bfloat16 pairs: tokens 8 at a time, columns 3 vectors at a time. */
+static void scores_dp(float *st, int rows, const bf16 *k, size_t ks, const bf16 *qt2, int ntok, int hd) {
+    for (int j = 0; j < rows; j += 48) {
+        const int nv = (rows - j) / 16 < 3 ? (rows - j) / 16 : 3;
+        const bf16 *qj = qt2 + (size_t)j * 2;
+        for (int t = 0; t < ntok;) {
+            const int mt = ntok - t >= 8 ? 8 : 1;
+            float *sj = st + (size_t)t * rows + j;
+            const bf16 *kt = k + (size_t)t * ks;
+#define SCORES(m)                                                      \
+    switch (nv) {                                                      \
+    case 3: scores_dp_tile(m, 3, sj, rows, kt, ks, qj, hd); break;     \
+    case 2: scores_dp_tile(m, 2, sj, rows, kt, ks, qj, hd); break;     \
+    default: scores_dp_tile(m, 1, sj, rows, kt, ks, qj, hd); break;    \
+    }
+            if (mt == 8)
+                SCORES(8)
+            else
+                SCORES(1)
+#undef SCORES
+            t += mt;
+        }
+    }
+}
+#endif
+
 typedef struct {
     int chunk, tile, kv_head, first_pos;
 } prefill_item;
@@ -446,9 +497,16 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
     const size_t token_stride = (size_t)num_kv_heads * head_dim, block_elems = (size_t)block_size * token_stride;
     const int q0 = it->tile * QT, nqt = chunk_len - q0 < QT ? chunk_len - q0 : QT;
     const int pos0 = chunk_start + q0, nrows = nqt * group;
+    /* bfloat16 rows over a bfloat16 cache: S from bfloat16 dot products (Q^T in pairs, as
+     * it is, and the scale applied to S) where the build has them */
+    const int dp = TK_BF16_DP && dtype == TK_BF16 && kv_dtype == TK_BF16;
     for (int j = 0; j < rows; j++) {
         const size_t src = (size_t)(chunk_row + q0 + j / group) * q_row_stride + (size_t)(kvh * group + j % group) * head_dim;
-        for (int d = 0; d < head_dim; d++) w->qt[(size_t)d * rows + j] = j < nrows ? scale * load_any(q, src + d, dtype) : 0.0f;
+        if (dp)
+            for (int d = 0; d < head_dim; d++)
+                ((bf16 *)w->qt)[((size_t)(d / 2) * rows + j) * 2 + d % 2] = j < nrows ? ((const bf16 *)q)[src + d] : 0;
+        else
+            for (int d = 0; d < head_dim; d++) w->qt[(size_t)d * rows + j] = j < nrows ? scale * load_any(q, src + d, dtype) : 0.0f;
         w->m[j] = -INFINITY;
         w->l[j] = 0.0f;
     }
@@ -462,13 +520,19 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
         if (kv_dtype == TK_BF16) { /* widen the block's K and V once; every query vector reads them */
             for (int t = 0; t < ntok; t++)
                 for (int d = 0; d < head_dim; d += TK_VL) {
-                    vstore(w->kb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)k_cache + base + t * token_stride + d));
+                    if (!dp)
+                        vstore(w->kb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)k_cache + base + t * token_stride + d));
                     vstore(w->vb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)v_cache + base + t * token_stride + d));
                 }
             kr = w->kb, vr = w->vb, kv_stride = head_dim;
         }
         /* S^T [ntok][rows] = K [ntok][hd] Q^T [hd][rows] */
-        small_gemm(w->st, rows, kr, kv_stride, 1, w->qt, rows, ntok, rows, head_dim, 0);
+#if TK_BF16_DP
+        if (dp)
+            scores_dp(w->st, rows, (const bf16 *)k_cache + base, token_stride, (const bf16 *)w->qt, ntok, head_dim);
+        else
+#endif
+            small_gemm(w->st, rows, kr, kv_stride, 1, w->qt, rows, ntok, rows, head_dim, 0);
         /* Online softmax, TK_VL query vectors at a time; token t0 + t is visible to query
          * vector j when it is not past the query's position. */
         const int diagonal = t0 + ntok - 1 > pos0;
@@ -478,6 +542,7 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
             vf mb = vload(w->m + j);
             for (int t = 0; t < ntok; t++) {
                 vf st = vload(w->st + (size_t)t * rows + j);
+                if (dp) st *= scale;
                 if (diagonal) st = vselect((vi)(vbcast((float)(t0 + t)) <= qpos), st, vbcast(-INFINITY));
                 vstore(w->st + (size_t)t * rows + j, st);
                 mb = vmax(mb, st);
