@@ -102,19 +102,6 @@ static inline __attribute__((always_inline)) void hsum8(const vf acc[8], float *
 #endif
 }
 
-/* scores[0..8) = q . k_t for 8 tokens whose keys start at k + t * stride (head_dim a
- * multiple of TK_VL): 8 partial-sum vectors, reduced together. */
-static inline __attribute__((always_inline)) void dots8(const float *q, const void *k, size_t koff, size_t stride, int head_dim, int dtype,
-                         float *scores) {
-    vf acc[8];
-    for (int t = 0; t < 8; t++) acc[t] = vzero();
-    for (int d = 0; d < head_dim; d += TK_VL) {
-        const vf qv = vload(q + d);
-        for (int t = 0; t < 8; t++) acc[t] += qv * vload_any(k, koff + (size_t)t * stride + d, dtype);
-    }
-    hsum8(acc, scores);
-}
-
 #if defined(__AVX512F__)
 /* out[0..16) := the lane sums of 16 vectors, as a tree: each level adds pairs of vectors'
  * halves (within 128-bit lanes, then across them), 45 operations for the 16 sums where
@@ -134,18 +121,26 @@ static inline __attribute__((always_inline)) void hsum16(const vf acc[16], float
     _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88), _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD)));
 }
 
-/* dots8 for 16 tokens, reduced by hsum16. */
-static inline __attribute__((always_inline)) void dots16(const float *q, const void *k, size_t koff, size_t stride, int head_dim,
-                                                         int dtype, float *scores) {
+#endif
+
+/* scores[0..n) = q . k_t for n tokens (8, or 16 on AVX512; a literal) whose keys start at
+ * k + t * stride (head_dim a multiple of TK_VL): n partial-sum vectors, reduced together. */
+static inline __attribute__((always_inline)) void dots(const int n, const float *q, const void *k, size_t koff,
+                                                       size_t stride, int head_dim, int dtype, float *scores) {
     vf acc[16];
-    for (int t = 0; t < 16; t++) acc[t] = vzero();
+    for (int t = 0; t < n; t++) acc[t] = vzero();
     for (int d = 0; d < head_dim; d += TK_VL) {
         const vf qv = vload(q + d);
-        for (int t = 0; t < 16; t++) acc[t] += qv * vload_any(k, koff + (size_t)t * stride + d, dtype);
+        for (int t = 0; t < n; t++) acc[t] += qv * vload_any(k, koff + (size_t)t * stride + d, dtype);
     }
-    hsum16(acc, scores);
-}
+#if defined(__AVX512F__)
+    if (n == 16) {
+        hsum16(acc, scores);
+        return;
+    }
 #endif
+    hsum8(acc, scores);
+}
 
 /* Query heads that share a KV head, this many at a time in the weighted sum of V, and
  * vectors of head dimensions per pass: HC * WS_NV accumulators stay in registers. */
@@ -252,10 +247,10 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
             int i = 0;
 #if defined(__AVX512F__)
             if (vec)
-                for (; i + 16 <= n; i += 16) dots16(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
+                for (; i + 16 <= n; i += 16) dots(16, qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
 #endif
             if (vec)
-                for (; i + 8 <= n; i += 8) dots8(qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
+                for (; i + 8 <= n; i += 8) dots(8, qh, k_cache, koff + (size_t)i * token_stride, token_stride, head_dim, dtype, sh + i);
             for (; i < n; i++) sh[i] = dot(qh, k_cache, koff + (size_t)i * token_stride, head_dim, dtype);
         }
         kb = next;
