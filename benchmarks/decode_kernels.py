@@ -1,14 +1,16 @@
 """A decode step's native kernels alone, at one and two threads, against another commit's.
 
     python -m benchmarks.decode_kernels [--baseline REV] [--rows 8 37] [--threads 1 2]
-        [--parts gemm attention] [--dtype float32] [--repeats 7] [--block-size 16] [--json OUT]
+        [--parts gemm attention prefill] [--dtype float32] [--repeats 7] [--block-size 16] [--json OUT]
 
-Two parts of a decode step, on SmolLM2-135M's shapes (30 layers; hidden 576, 9 query and
+Parts of a step, on SmolLM2-135M's shapes (30 layers; hidden 576, 9 query and
 3 KV heads of 64, intermediate 1536, vocabulary 49,152):
 
 * ``gemm``: one pass over the step's linear layers as the engine fuses them (qkv, o,
   gate/up with the SiLU epilogue, down; then the LM head), every layer with its own
   weights, so that they stream from memory as a model's do (538 MB in float32).
+* ``prefill`` (not by default; ``--rows`` are then a step's prompt tokens, 4096 say):
+  prefill attention of every layer over whole prompts of 300-900 tokens.
 * ``attention``: decode attention of every layer over a paged cache whose blocks are
   scattered through the pool, as a running engine's are (contexts 100-700 tokens, drawn
   once; block size 16, or `--block-size`).
@@ -111,6 +113,39 @@ def attention_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dt
     return fns, num_bytes
 
 
+def prefill_part(kernels: dict[str, NativeKernels], rows: int, dtype: torch.dtype, block: int = 16):
+    """Per build: prefill attention of every layer for one step of ``rows`` prompt tokens,
+    whole prompts of 300-900 tokens from position 0 (the prefill-heavy workload's), their
+    blocks scattered."""
+    gen = torch.Generator().manual_seed(1)
+    lens: list[int] = []
+    while sum(lens) < rows:
+        lens.append(min(int(torch.randint(300, 901, (1,), generator=gen)), rows - sum(lens)))
+    per = [-(-n // block) for n in lens]
+    num_blocks = sum(per)
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(len(lens), max(per), dtype=torch.int32)
+    for c, n in enumerate(per):
+        table[c, :n] = order[sum(per[:c]) : sum(per[:c]) + n]
+    caches = [tuple(torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+              for _ in range(LAYERS)]  # fmt: skip
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    starts, chunk_rows = torch.zeros_like(lens_t), (torch.cumsum(lens_t, 0) - lens_t).to(torch.int32)
+    fns = {}
+    for name, kern in kernels.items():
+        out = torch.empty(LAYERS, rows, HEADS, HEAD_DIM, dtype=dtype)
+
+        def run(kern=kern, out=out):
+            for layer, (k, v) in enumerate(caches):
+                kern.prefill_attention(out[layer], qkv[:, : HEADS * HEAD_DIM], k, v, table, chunk_rows, starts, lens_t,
+                                       HEAD_DIM**-0.5)  # fmt: skip
+            return [out]
+
+        fns[name] = run
+    return fns
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
@@ -128,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default=None, help="a commit whose kernels to time beside this checkout's")
     p.add_argument("--rows", type=int, nargs="+", default=[8, 37])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--parts", nargs="+", choices=("gemm", "attention"), default=["gemm", "attention"])
+    p.add_argument("--parts", nargs="+", choices=("gemm", "attention", "prefill"), default=["gemm", "attention"])
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the attention part")
@@ -152,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             for rows in args.rows:
                 if part == "gemm":
                     fns, num_bytes = gemm_part(kernels, rows, dtype), None
+                elif part == "prefill":
+                    fns, num_bytes = prefill_part(kernels, rows, dtype, args.block_size), None
                 else:
                     fns, num_bytes = attention_part(kernels, rows, dtype, args.block_size)
                 arms = {f"{b}@{n}": threaded(fn, n) for n in args.threads for b, fn in fns.items()}
