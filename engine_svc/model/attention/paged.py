@@ -45,10 +45,8 @@ def paged_attention(
     A layer with a ``sliding_window`` reads the step's metadata for that window.
     """
     meta = meta.for_window(sliding_window)
-    native = meta.prefill if isinstance(meta.prefill, NativePrefill) else meta.decode
-    write_kv(
-        kv_cache, k, v, meta.slot_mapping, native.kernels if isinstance(native, (NativePrefill, NativeDecode)) else None
-    )
+    native = [p.kernels for p in (meta.prefill, meta.decode) if isinstance(p, (NativePrefill, NativeDecode))]
+    write_kv(kv_cache, k, v, meta.slot_mapping, native[0] if native else None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
     match meta.decode:
         case NativeDecode() as native_d:
