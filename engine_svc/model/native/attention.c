@@ -232,7 +232,7 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
                        size_t token_stride, size_t elem, int dtype, float *scores) {
     const int vec = head_dim % TK_VL == 0;
     const int num_kv_heads = num_heads / group;
-    const size_t lines = (SPAN * token_stride * elem + 63) / 64;
+    const size_t lines = ((size_t)(block_size < SPAN ? block_size : SPAN) * token_stride * elem + 63) / 64;
     const size_t k_chunk = (lines + num_heads - 1) / num_heads, v_chunk = (lines + num_kv_heads - 1) / num_kv_heads;
     int n, n_next = 0;
     size_t kb = span_at(table, 0, len, block_size, token_stride, &n);
