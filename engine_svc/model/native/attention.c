@@ -463,6 +463,74 @@ static void scores_dp(float *st, int rows, const bf16 *k, size_t ks, const bf16 
         }
     }
 }
+
+/* The interleave of pair_layouts below: 32-bit lane i of the result is (x[i], x[16 + i]). */
+static inline __m512i interleave_halves(__m512i x) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, x);
+}
+
+/* O += P V with P rounded to bfloat16, as bfloat16 dot products over pairs of tokens (torch's
+ * CPU flash attention rounds P to the rows' dtype before its P V product too). pb: P in pairs,
+ * [(ntok + 1) / 2][rows], lane (P[j][t], P[j][t + 1]); vp: V in pairs, [(ntok + 1) / 2][hd],
+ * lane (V[t][d], V[t + 1][d]); a missing t + 1 is 0 in both. */
+static void p_pairs(bf16 *pb, const float *st, int rows, int ntok) {
+    for (int t = 0; t < ntok; t += 2)
+        for (int j = 0; j < rows; j += 16) {
+            const __m512 a = _mm512_loadu_ps(st + (size_t)t * rows + j);
+            const __m512 b = t + 1 < ntok ? _mm512_loadu_ps(st + (size_t)(t + 1) * rows + j) : _mm512_setzero_ps();
+            _mm512_storeu_si512(pb + ((size_t)(t / 2) * rows + j) * 2, interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)));
+        }
+}
+
+static void v_pairs(bf16 *vp, const bf16 *v, size_t ks, int ntok, int hd) {
+    for (int t = 0; t < ntok; t += 2)
+        for (int d = 0; d < hd; d += 16) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(v + (size_t)t * ks + d));
+            const __m256i b = t + 1 < ntok ? _mm256_loadu_si256((const __m256i *)(v + (size_t)(t + 1) * ks + d))
+                                           : _mm256_setzero_si256();
+            _mm512_storeu_si512(vp + ((size_t)(t / 2) * hd + d) * 2,
+                                interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)));
+        }
+}
+
+/* O [4 rows][nv vectors] += P V over np token pairs (nv literal). */
+static inline __attribute__((always_inline)) void pv_dp_tile(const int nv, float *o, int hd, const bf16 *pb, int rows,
+                                                             const bf16 *vp, int np) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < nv; i++) acc[r][i] = _mm512_loadu_ps(o + (size_t)r * hd + i * 16);
+    for (int p = 0; p < np; p++) {
+        __m512bh b[4];
+        for (int i = 0; i < nv; i++) b[i] = (__m512bh)_mm512_loadu_si512(vp + ((size_t)p * hd + i * 16) * 2);
+        for (int r = 0; r < 4; r++) {
+            int32_t pair;
+            memcpy(&pair, pb + ((size_t)p * rows + r) * 2, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int i = 0; i < nv; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], a, b[i]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < nv; i++) _mm512_storeu_ps(o + (size_t)r * hd + i * 16, acc[r][i]);
+}
+
+/* O [rows][hd] += P V: rows a multiple of 16, hd of 16. */
+static void pv_dp(float *o, int hd, const bf16 *pb, int rows, const bf16 *vp, int np) {
+    for (int d = 0; d < hd; d += 64) {
+        const int nv = (hd - d) / 16 < 4 ? (hd - d) / 16 : 4;
+        for (int r = 0; r < rows; r += 4) {
+            float *od = o + (size_t)r * hd + d;
+            const bf16 *pr = pb + (size_t)r * 2, *vd = vp + (size_t)d * 2;
+            switch (nv) {
+            case 4: pv_dp_tile(4, od, hd, pr, rows, vd, np); break;
+            case 3: pv_dp_tile(3, od, hd, pr, rows, vd, np); break;
+            case 2: pv_dp_tile(2, od, hd, pr, rows, vd, np); break;
+            default: pv_dp_tile(1, od, hd, pr, rows, vd, np); break;
+            }
+        }
+    }
+}
 #endif
 
 typedef struct {
@@ -481,7 +549,7 @@ static int by_context_desc(const void *a, const void *b) {
  * Buffers: qt [hd][rows] (Q^T, pre-scaled), o [rows][hd], st [bs][rows] (S^T, then P^T),
  * kb, vb [bs][hd] (the block's K and V in float32, for a bfloat16 cache), m, l [rows]. */
 typedef struct {
-    float *qt, *o, *st, *kb, *vb, *m, *l;
+    float *qt, *o, *st, *kb, *vb, *m, *l, *pb;
 } prefill_scratch;
 
 static void prefill_item_run(const prefill_item *it, void *out, const void *q, long q_row_stride, const char *k_cache,
@@ -512,11 +580,12 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
         const int t0 = b * block_size, ntok = last_pos + 1 - t0 < block_size ? last_pos + 1 - t0 : block_size;
         const float *kr = (const float *)k_cache + base, *vr = (const float *)v_cache + base;
         size_t kv_stride = token_stride;
-        if (kv_dtype == TK_BF16) { /* widen the block's K and V once; every query vector reads them */
+        /* A bfloat16 cache: the block's K and V widened once, every query vector reads them
+         * (with bfloat16 dot products K is read as it is and V laid out in pairs below). */
+        if (kv_dtype == TK_BF16 && !dp) {
             for (int t = 0; t < ntok; t++)
                 for (int d = 0; d < head_dim; d += TK_VL) {
-                    if (!dp)
-                        vstore(w->kb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)k_cache + base + t * token_stride + d));
+                    vstore(w->kb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)k_cache + base + t * token_stride + d));
                     vstore(w->vb + (size_t)t * head_dim + d, vload_bf16((const bf16 *)v_cache + base + t * token_stride + d));
                 }
             kr = w->kb, vr = w->vb, kv_stride = head_dim;
@@ -564,7 +633,14 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
                 }
         }
         /* O [rows][hd] += P [rows][ntok] V [ntok][hd], P read from P^T */
-        small_gemm(w->o, head_dim, w->st, 1, rows, vr, kv_stride, rows, head_dim, ntok, 1);
+#if TK_BF16_DP
+        if (dp) {
+            p_pairs((bf16 *)w->pb, w->st, rows, ntok);
+            v_pairs((bf16 *)w->vb, (const bf16 *)v_cache + base, token_stride, ntok, head_dim);
+            pv_dp(w->o, head_dim, (const bf16 *)w->pb, rows, (const bf16 *)w->vb, (ntok + 1) / 2);
+        } else
+#endif
+            small_gemm(w->o, head_dim, w->st, 1, rows, vr, kv_stride, rows, head_dim, ntok, 1);
     }
     for (int j = 0; j < nrows; j++) {
         const size_t dst = ((size_t)(chunk_row + q0 + j / group) * num_heads + kvh * group + j % group) * head_dim;
@@ -598,17 +674,19 @@ int tk_prefill_attention(void *out, const void *q, long q_row_stride, const void
 #pragma omp parallel num_threads(threads)
     {
         const size_t nq = (size_t)rows * head_dim, nkv = (size_t)block_size * head_dim;
-        float *buf = malloc(sizeof(float) * (2 * nq + (size_t)block_size * rows + 2 * nkv + 2 * (size_t)rows));
+        const size_t npb = (size_t)(block_size + 1) / 2 * rows; /* P in bfloat16 pairs (dot-product builds) */
+        float *buf = malloc(sizeof(float) * (2 * nq + (size_t)block_size * rows + 2 * nkv + 2 * (size_t)rows + npb));
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-        prefill_scratch w = {buf, buf + nq, buf + 2 * nq, NULL, NULL, NULL, NULL};
+        prefill_scratch w = {buf, buf + nq, buf + 2 * nq, NULL, NULL, NULL, NULL, NULL};
         if (buf != NULL) {
             w.kb = w.st + (size_t)block_size * rows;
             w.vb = w.kb + nkv;
             w.m = w.vb + nkv;
             w.l = w.m + rows;
+            w.pb = w.l + rows;
         }
         for (;;) {
             int i;
