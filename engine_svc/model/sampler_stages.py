@@ -148,13 +148,31 @@ def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # [n]; ties share the better rank
     num_top = max(0, min(num_top, logprobs.shape[-1]))
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [n, num_top]
+    top_logprobs, top_ids = _top(logprobs, num_top)  # [n, num_top]
     return [
         Logprob(token_id=t, logprob=lp, rank=rank, top=list(zip(ids, lps)))
         for t, lp, rank, ids, lps in zip(
             token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_logprobs.tolist()
         )
     ]
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of each row, best first, equal values in token-id order (a NaN counts as
+    the best): greedy sampling takes the first maximum (``argmax_rows``), so a row's chosen
+    token heads its list even where logits tie (bfloat16 logits often do), which ``topk``'s
+    own order among ties does not promise."""
+    if k == 0:
+        return logprobs[:, :0], torch.zeros(logprobs.shape[0], 0, dtype=torch.long, device=logprobs.device)
+    key = torch.where(torch.isnan(logprobs), torch.inf, logprobs)
+    edge = key.topk(k, dim=-1).values[:, -1:]  # [n, 1]: the k-th best value
+    above, at = key > edge, key == edge
+    room = k - above.sum(dim=-1, keepdim=True)  # places left for values equal to the edge
+    keep = above | (at & (at.cumsum(dim=-1) <= room))  # the lowest ids among the equal ones
+    ids = keep.nonzero()[:, 1].view(-1, k)  # [n, k], ascending ids
+    order = key.gather(1, ids).sort(dim=-1, descending=True, stable=True).indices  # ties keep id order
+    ids = ids.gather(1, order)
+    return logprobs.gather(1, ids), ids
 
 
 def step_seed(seed: int, step: int) -> int:

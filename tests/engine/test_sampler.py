@@ -394,6 +394,20 @@ def test_logprobs_come_from_raw_logits_with_rank_and_top():
     assert out.logprobs[2].top == []
 
 
+def test_a_greedy_token_heads_its_top_list_where_logits_tie():
+    """bfloat16 logits tie often: greedy takes the first maximum, and the top list orders
+    equal values by token id, so the sampled token is its first entry."""
+    logits = torch.full((2, VOCAB + 2), -4.0)
+    logits[0, [14, 7, 11]] = 3.0  # three tied best
+    logits[1, [5, 6]], logits[1, [12, 13, 15]] = 2.0, 1.0  # two best, then a tie across the edge
+    out = make_sampler().sample(logits, [make_request("a", temperature=0.0, logprobs=3)] * 1
+                                + [make_request("b", temperature=0.0, logprobs=3)])  # fmt: skip
+    assert out.token_ids == [7, 5]
+    assert [t for t, _ in out.logprobs[0].top] == [7, 11, 14]
+    assert [t for t, _ in out.logprobs[1].top] == [5, 6, 12]  # the lowest id of the tied third
+    assert all(lp.rank == 1 for lp in out.logprobs)
+
+
 def test_prompt_logprobs():
     torch.manual_seed(6)
     logits = torch.randn(5, VOCAB + 2)
