@@ -147,14 +147,14 @@ def start_frontend(*engines: str, extra: tuple[str, ...] = (), port: int = 0, en
 
 
 @contextmanager
-def running_pair(model_dir: Path | str, *engine_args: str, **kw):
+def running_pair(model_dir: Path | str, *engine_args: str, frontend_args: tuple[str, ...] = (), **kw):
     """An engine and a frontend connected to it, both SERVING; both stopped on exit.
     ``kw`` (env, capture_stdout) applies to both."""
     engine = start_engine(model_dir, *engine_args, **kw)
     frontend = None
     try:
         engine.wait_serving()
-        frontend = start_frontend(engine.address, **kw)
+        frontend = start_frontend(engine.address, extra=frontend_args, **kw)
         yield engine, frontend.wait_serving()
     finally:
         if frontend is not None:

@@ -9,5 +9,7 @@ from tests.services import running_pair
 
 @pytest.fixture(scope="package")
 def services(demo_model_dir):
-    with running_pair(demo_model_dir, "--num-kv-blocks", "256") as pair:
+    # One message per token: the clients' tests read streams of several messages, which the
+    # frontend's adaptive coalescing may merge into one when the engine outruns it.
+    with running_pair(demo_model_dir, "--num-kv-blocks", "256", frontend_args=("--stream-interval", "1")) as pair:
         yield pair
