@@ -269,6 +269,19 @@ def test_gemm_bits_do_not_depend_on_the_thread_count(kernels, dtype, rows, k, n,
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [13, 25, 37, 49])
+def test_gemm_row_bits_do_not_depend_on_the_rows_beside_it(kernels, dtype, rows):
+    """Micro-tiles split a block's rows evenly (37 as 9 9 9 10): each row's sums are the
+    same chain of multiply-adds whichever tile, and tile size, holds it."""
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(96, 200, generator=g) * 0.1).to(dtype)
+    x = torch.randn(rows, 200, generator=g).to(dtype)
+    packed = kernels.pack(w, None, dtype)
+    alone = torch.cat([kernels.gemm(x[i : i + 1], packed) for i in range(rows)])
+    assert torch.equal(kernels.gemm(x, packed).view(torch.int16), alone.view(torch.int16))
+
+
 def test_gemm_reads_strided_rows(kernels):
     x = torch.randn(9, 100)[:, 10:74]  # row stride 100
     w = torch.randn(24, 64)

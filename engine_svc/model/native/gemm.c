@@ -107,10 +107,13 @@ static void block_times_panel_dp(const gemm_args *g, int m0, int m1, int p, floa
         const int kc = g->K - k0 < KC ? g->K - k0 : KC;
         const bf16 *pk = panel + (size_t)k0 * NR;
         const char *pf = (const char *)(pk + (size_t)KC * NR);
-        for (int m = m0; m < m1; m += MR) {
+        const int tiles = (m1 - m0 + MR - 1) / MR;
+        for (int i = 0, m = m0; i < tiles; i++) {
+            const int mr = tile_rows(m1 - m, tiles - i);
             const bf16 *a = (const bf16 *)g->a + (size_t)m * g->lda + k0;
             float *c = cs + (size_t)(m - m0) * NR;
-            switch (m1 - m < MR ? m1 - m : MR) {
+            m += mr;
+            switch (mr) {
             case 12: micro_tile_dp(12, a, g->lda, pk, kc, c, k0 == 0, pf); break;
             case 11: micro_tile_dp(11, a, g->lda, pk, kc, c, k0 == 0, pf); break;
             case 10: micro_tile_dp(10, a, g->lda, pk, kc, c, k0 == 0, pf); break;

@@ -22,6 +22,12 @@
 #define NR (2 * TK_VL)
 #define KC (4096 / NR) /* K slice: a panel's slice is 16 KiB of float32, it stays in L1 */
 
+/* Rows of the next of `tiles` micro-tiles over `rows` rows: as even as they go (37 rows
+ * as 9 9 9 10, not 12 12 12 1). A tile of one row keeps 2 multiply-add chains going where
+ * the FMA units take 8 (2 units x 4 cycles): its k steps cost a 4-row tile's. Which tile a
+ * row is in never changes its sums. */
+static inline int tile_rows(int rows, int tiles) { return rows / tiles; }
+
 /* Rows of one micro-tile: acc (=|+=) A[0..mr)[0..kc) @ panel[0..kc)[0..NR), kept in cs [mr][NR].
  * pf: the weights one slice ahead, fetched into cache while this slice computes. Only the
  * first tile of a slice reads it from memory, and the hardware prefetcher alone does not
@@ -73,10 +79,13 @@ static inline __attribute__((always_inline)) void micro_tile(
 static inline __attribute__((always_inline)) void rows_times_slice_(
     const float *a, int lda, int rows, const void *pk, int pdtype, int kc, float *cs, int first, const char *pf,
     const int prefetch) {
-    for (int m = 0; m < rows; m += MR) {
+    const int tiles = (rows + MR - 1) / MR;
+    for (int i = 0, m = 0; i < tiles; i++) {
+        const int mr = tile_rows(rows - m, tiles - i);
         const float *am = a + (size_t)m * lda;
         float *c = cs + (size_t)m * NR;
-        switch (rows - m < MR ? rows - m : MR) { /* a literal row count per case: the tile stays in registers */
+        m += mr;
+        switch (mr) { /* a literal row count per case: the tile stays in registers */
 #if MR > 6
         case 12: micro_tile(12, am, lda, pk, pdtype, kc, c, first, pf, prefetch); break;
         case 11: micro_tile(11, am, lda, pk, pdtype, kc, c, first, pf, prefetch); break;
