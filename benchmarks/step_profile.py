@@ -34,6 +34,7 @@ def build_engine(model: str, dtype: str, kernels: str, max_num_seqs: int = 64, m
 
     argv = ["--model", model, "--dtype", dtype, "--kernels", kernels, "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max_num_batched_tokens), "--kv-cache-bytes", str(2 << 30),
+            "--kv-cache-populate",
             *extra]  # fmt: skip
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig.from_args(build_parser().parse_args(argv)))

@@ -110,8 +110,10 @@ def tandem_server(model: str, args, slots: int, overrides: tuple[str, ...] = ())
     from tandem_common.ready import read_ready_file
     from tests.services import start_engine, start_frontend
 
+    # The KV cache resident from the start: llama-server clears its KV buffer at start too.
     engine_argv = ["--num-threads", str(args.threads), "--max-num-seqs", str(slots),
-                   "--kv-cache-bytes", str(args.tandem_kv_cache_bytes), *args.tandem_engine_arg]  # fmt: skip
+                   "--kv-cache-bytes", str(args.tandem_kv_cache_bytes), "--kv-cache-populate",
+                   *args.tandem_engine_arg]  # fmt: skip
     engine_argv += overrides
     engine = start_engine(model, *engine_argv)
     frontend = None

@@ -35,6 +35,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    kv_cache_populate: bool = False
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_waiting: int = 1024
@@ -241,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs requests of --max-model-len tokens, capped at 40%% of the memory "
         "available at start (80%% of free GPU memory on CUDA) and at least one full-length "
         "request; the log says what was chosen",
+    )
+    s.add_argument(
+        "--kv-cache-populate",
+        action=argparse.BooleanOptionalAction,
+        default=d.kv_cache_populate,
+        help="make the whole KV cache resident at start (every page written once), as servers that reserve "
+        "their memory do: no page faults in the steps that first use a block, and a pool the machine cannot "
+        "back fails at start. Off: pages are faulted in as blocks are first used, and the resident size grows "
+        "with use",
     )
     s.add_argument(
         "--enable-prefix-caching",

@@ -75,6 +75,7 @@ class EngineCore:
             num_kv_blocks=config.num_kv_blocks,
             kv_cache_bytes=config.kv_cache_bytes,  # both None: sized from the model
             kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_populate=config.kv_cache_populate,
             max_model_len=config.max_model_len,
             seed=config.seed,
             kernels=config.kernels,

@@ -67,6 +67,7 @@ class ModelRunner:
         kv_cache_bytes: int | None,
         max_model_len: int | None,
         kv_cache_dtype: str = "auto",
+        kv_cache_populate: bool = False,
         seed: int = 0,
         kernels: str = "auto",
         batch_size_hint: int = 64,
@@ -95,6 +96,7 @@ class ModelRunner:
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
         self.block_size = block_size
         self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        self.kv_cache_populate = kv_cache_populate
         self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache()
@@ -210,6 +212,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> list[KVCache]:
         args = self.model_args
+        start = time.perf_counter()
         kv_caches = allocate_kv_cache(
             num_layers=args.num_layers,
             num_blocks=self.num_kv_blocks,
@@ -218,16 +221,18 @@ class ModelRunner:
             head_dim=args.head_dim,
             dtype=self.kv_dtype,
             device=self.device,
+            populate=self.kv_cache_populate,
         )
         if self.drafter is not None:
-            self.drafter.allocate(self.num_kv_blocks)
+            self.drafter.allocate(self.num_kv_blocks, populate=self.kv_cache_populate)
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB, %s), max_model_len %d",
+            "KV cache: %d blocks x %d tokens (%.1f MiB, %s), max_model_len %d%s",
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.bytes_per_block / 2**20,
             str(self.kv_dtype).removeprefix("torch."),
             self.max_model_len,
+            f", populated in {time.perf_counter() - start:.2f} s" if self.kv_cache_populate else "",
         )
         return kv_caches
 

@@ -57,6 +57,47 @@ def test_zeroed_cpu_memory_is_not_written_up_front():
     assert float(cache[1, 2].mean()) == 1.5 and float(cache[1, 3].sum()) == 0.0
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident size from /proc")
+def test_populated_cpu_memory_is_resident_at_once_and_zero():
+    before = _rss_bytes()
+    cache = zeroed((2, 64, 16, 16, 1024), torch.float32, CPU, populate=True)  # 128 MiB
+    assert _rss_bytes() - before > 120 * MiB  # without populate: under 64 MiB (the test above)
+    assert not cache.any()
+    cache[1, 2] = 1.5
+    assert float(cache[1, 2].mean()) == 1.5 and float(cache[1, 3].sum()) == 0.0
+
+
+def _smaps(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address`` (Size, Rss ...
+    in kB, VmFlags)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= address < hi:
+                fields = {}
+                for rest in lines[i + 1 :]:
+                    key, _, value = rest.partition(":")
+                    fields[key] = value.strip()
+                    if key == "VmFlags":
+                        return fields
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _smaps_flags(address: int) -> set[str]:
+    return set(_smaps(address)["VmFlags"].split())
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's flags from /proc")
+def test_zeroed_cpu_memory_is_private_and_asks_for_huge_pages():
+    cache = zeroed((4, 1024, 1024), torch.float32, CPU)
+    flags = _smaps_flags(cache.data_ptr())
+    assert "sh" not in flags  # private: a shared anonymous map is shmem, which THP's madvise mode skips
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert "hg" in flags  # MADV_HUGEPAGE
+
+
 def test_zeroed_in_half_precision():
     cache = zeroed((4, 3), torch.bfloat16, CPU)
     assert cache.dtype == torch.bfloat16 and torch.equal(cache, torch.zeros(4, 3, dtype=torch.bfloat16))
@@ -106,3 +147,18 @@ def test_every_layer_gets_its_own_zeroed_k_and_v():
     assert all(t.shape == (4, 2, 1, 8) and not t.any() for kv in caches for t in kv)
     caches[1][0].fill_(1.0)  # views of one tensor, but no two layers (or K and V) share memory
     assert caches[1][0].all() and not caches[1][1].any() and not caches[0][0].any() and not caches[2][0].any()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's resident size from /proc")
+def test_engine_flag_populates_its_pool(demo_model_dir):
+    from engine_svc.config import EngineConfig, build_parser
+    from engine_svc.core import EngineCore
+
+    def resident_fraction(*flags: str) -> float:
+        argv = ["--model", str(demo_model_dir), "--num-kv-blocks", "256", "--block-size", "16", *flags]
+        core = EngineCore(EngineConfig.from_args(build_parser().parse_args(argv)))
+        fields = _smaps(core.runner.kv_caches[0][0].data_ptr())
+        return int(fields["Rss"].split()[0]) / int(fields["Size"].split()[0])
+
+    assert resident_fraction("--kv-cache-populate") == 1.0
+    assert resident_fraction() < 0.5  # the default: pages come as blocks are first used

@@ -117,7 +117,7 @@ def test_engine_flags_from_values(chart):
             "maxNumSeqs": 64,
             "maxNumBatchedTokens": 4096,
             "maxWaiting": 500,
-            "kvCache": {"blockSize": 32, "numBlocks": 2048, "prefixCaching": False},
+            "kvCache": {"blockSize": 32, "numBlocks": 2048, "prefixCaching": False, "populate": False},
             "extraArgs": ["--seed", "7"],
         },
         "logging": {"level": "DEBUG", "format": "text"},
@@ -129,6 +129,7 @@ def test_engine_flags_from_values(chart):
     assert flag(args, "--block-size") == ["32"]
     assert flag(args, "--num-kv-blocks") == ["2048"]
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert "--no-kv-cache-populate" in args and "--kv-cache-populate" not in args
     assert flag(args, "--log-level") == ["DEBUG"] and flag(args, "--log-format") == ["text"]
     assert args[-2:] == ["--seed", "7"]
     assert "--kv-cache-bytes" not in args and "--dtype" not in args
@@ -157,6 +158,7 @@ def test_unset_engine_sizes_keep_engine_defaults(chart):
     args = container(find(render(chart), "Deployment", ENGINE))["args"]
     for name in ("--max-num-seqs", "--max-num-batched-tokens", "--max-waiting", "--block-size", "--num-kv-blocks"):
         assert name not in args
+    assert "--kv-cache-populate" in args  # a deployment reserves its KV memory at start
 
 
 def test_both_kv_cache_sizes_rejected(chart):
