@@ -19,9 +19,9 @@ every request that fits the context fits the cache.
 On CPU the cache is a private anonymous memory map: the kernel hands out zero pages as
 they are first touched, so start-up does not write the whole cache and the resident size
 grows with the blocks actually used. (It must read as zeros, not garbage: masked padding
-reads unused slots, and 0 x NaN is NaN.) The map asks for transparent huge pages
-(MADV_HUGEPAGE, where the kernel's THP mode is ``madvise`` or ``always``): a 2 MiB page
-is one fault and one TLB entry where 4 KiB pages are 512, and decode attention reads
+reads unused slots, and 0 x NaN is NaN.) A populated map (below) asks for transparent huge
+pages (MADV_HUGEPAGE, where the kernel's THP mode is ``madvise`` or ``always``): a 2 MiB
+page is one fault and one TLB entry where 4 KiB pages are 512, and decode attention reads
 blocks scattered over the whole pool.
 
 That first touch is not free: a fault and the page's zeroing, and on a virtual machine
@@ -183,7 +183,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pop
     # Anonymous and private (mmap's default is shared, which Linux backs with shmem: no
     # huge pages there unless the admin enables them for shmem); reads as zeros.
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    # Huge pages only for a map written whole now: faulted in lazily, a 2 MiB page costs
+    # its step a 2 MiB zeroing (and the compaction to find one), which measured slower than
+    # 4 KiB pages (benchmarks.offline, standard workload: 391-405 against 429-434 tok/s).
+    if populate and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel built without THP: 4 KiB pages

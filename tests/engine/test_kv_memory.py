@@ -90,12 +90,14 @@ def _smaps_flags(address: int) -> set[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's flags from /proc")
-def test_zeroed_cpu_memory_is_private_and_asks_for_huge_pages():
-    cache = zeroed((4, 1024, 1024), torch.float32, CPU)
-    flags = _smaps_flags(cache.data_ptr())
-    assert "sh" not in flags  # private: a shared anonymous map is shmem, which THP's madvise mode skips
+def test_zeroed_cpu_memory_is_private_and_populated_memory_asks_for_huge_pages():
+    caches = [zeroed((4, 1024, 1024), torch.float32, CPU, populate=p) for p in (False, True)]
+    lazy, populated = (_smaps_flags(c.data_ptr()) for c in caches)
+    # private: a shared anonymous map is shmem, which THP's madvise mode skips
+    assert "sh" not in lazy and "sh" not in populated
+    assert "hg" not in lazy  # faulted lazily, 4 KiB pages cost a step less than 2 MiB ones
     if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
-        assert "hg" in flags  # MADV_HUGEPAGE
+        assert "hg" in populated  # MADV_HUGEPAGE
 
 
 def test_zeroed_in_half_precision():
