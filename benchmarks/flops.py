@@ -215,30 +215,33 @@ class StepRecorder:
 
         def recorded_schedule():
             out = schedule()
-            pending.append(out)
+            # A chunk's start and needs_sample read the request as it is now: once the step
+            # has run they describe the next chunk, so they are taken here.
+            pending.append([(s.start, s.num_new_tokens, s.needs_sample) for s in out.scheduled])
             return out
 
         def recorded_step():
             t0 = time.perf_counter()
             outputs = step()
             duration = time.perf_counter() - t0
-            sched_out = pending.pop()
-            if not sched_out.is_empty:
-                self.steps.append(self._record(sched_out, duration))
+            chunks = pending.pop()
+            if chunks:
+                self.steps.append(self._record(chunks, duration))
             return outputs
 
         scheduler.schedule = recorded_schedule
         core.step = recorded_step
 
-    def _record(self, sched_out, duration: float) -> StepRecord:
+    def _record(self, chunks: list[tuple[int, int, bool]], duration: float) -> StepRecord:
+        """chunks: (start, num_new_tokens, needs_sample) of each scheduled chunk."""
         rec = StepRecord(duration, 0, 0, 0, 0, 0)
-        for s in sched_out.scheduled:
-            lin, att, head = self.shape.chunk_flops(s.start, s.num_new_tokens, int(s.needs_sample))
+        for start, num_new_tokens, needs_sample in chunks:
+            lin, att, head = self.shape.chunk_flops(start, num_new_tokens, int(needs_sample))
             rec.linear, rec.attention, rec.lm_head = rec.linear + lin, rec.attention + att, rec.lm_head + head
-            if s.num_new_tokens == 1:
+            if num_new_tokens == 1:
                 rec.num_decode_rows += 1
             else:
-                rec.num_prefill_tokens += s.num_new_tokens
+                rec.num_prefill_tokens += num_new_tokens
         return rec
 
     def summary(self) -> dict:

@@ -390,3 +390,30 @@ def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_loads_with_int8_activations
     assert torch.equal(written["model.embed_tokens.weight"], floats["model.embed_tokens.weight"])
     scheme = quantization_scheme(json.loads((out / "config.json").read_text()))
     assert scheme is not None and (scheme.bits, scheme.group, scheme.int8_activations) == (8, -1, True)
+
+
+def test_step_recorder_counts_the_flops_of_the_workload(demo_model_dir):
+    """Chunked prefills and decode rows, summed step by step, make the workload's FLOPs: a
+    chunk is counted from where it starts, read before the step moves the request on."""
+    from benchmarks.flops import ModelShape, StepRecorder, workload_flops
+    from engine_svc.config import EngineConfig, build_parser
+    from engine_svc.core import EngineCore
+    from engine_svc.types import SamplingParams
+
+    workload = synthetic(5, num_requests=5, prompt_len=(40, 90), output_len=(3, 7), vocab_size=2048)
+    argv = ["--model", str(demo_model_dir), "--max-num-batched-tokens", "32", "--kv-cache-bytes", str(16 << 20)]
+    core = EngineCore(EngineConfig.from_args(build_parser().parse_args(argv)))
+    shape = ModelShape.from_model_dir(demo_model_dir)
+    recorder = StepRecorder(shape)
+    recorder.attach(core)
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True) for r in workload]
+    core.generate([r["prompt_token_ids"] for r in workload], params)
+
+    expected = workload_flops(shape, workload)
+    assert expected["num_prompt_tokens_cached"] == 0
+    assert sum(s.linear for s in recorder.steps) == expected["linear"]
+    assert sum(s.attention for s in recorder.steps) == expected["attention"]
+    assert sum(s.lm_head for s in recorder.steps) == expected["lm_head"]
+    phases = recorder.summary()
+    assert phases["prefill_steps"]["num_prefill_tokens"] == sum(len(r["prompt_token_ids"]) for r in workload)
+    assert phases["prefill_steps"]["num_steps"] > len(workload)  # prompts longer than a step: chunked
