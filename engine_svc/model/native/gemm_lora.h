@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void lora_down_tile(
 /* cs [mr][NR] += A[0..mr)[0..kc) @ panel, mr <= MR (gemm_tile.h's micro-tile; an adapter's
  * panel is small and read once, so nothing is fetched ahead). */
 static inline void lora_tile(int mr, const float *a, int lda, const void *panel, int pd, int kc, float *c) {
-    rows_times_slice_(a, lda, mr, panel, pd, kc, c, 0, NULL, 0);
+    rows_times_slice_(a, lda, mr, panel, pd, kc, c, 0, NULL, 0, NULL, NULL);
 }
 
 /* The end of the run of rows from m0 that share m0's slot, at most ``most`` rows. */

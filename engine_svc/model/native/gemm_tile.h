@@ -76,9 +76,13 @@ static inline __attribute__((always_inline)) void micro_tile(
 
 /* cs [rows][NR] (=|+=) A[0..rows)[0..kc) @ one panel slice, MR rows at a time. a: row 0's
  * element k0 (the slice's first), row stride lda. */
+/* A tile's rows done: done(ctx, first row, rows, their sums in cs), called after each tile
+ * of a product's last slice, so the tile's results leave while the next tiles compute. */
+typedef void (*tile_done_fn)(void *ctx, int m, int mr, float *cs);
+
 static inline __attribute__((always_inline)) void rows_times_slice_(
     const float *a, int lda, int rows, const void *pk, int pdtype, int kc, float *cs, int first, const char *pf,
-    const int prefetch) {
+    const int prefetch, tile_done_fn done, void *ctx) {
     const int tiles = (rows + MR - 1) / MR;
     for (int i = 0, m = 0; i < tiles; i++) {
         const int mr = tile_rows(rows - m, tiles - i);
@@ -101,19 +105,22 @@ static inline __attribute__((always_inline)) void rows_times_slice_(
         case 2: micro_tile(2, am, lda, pk, pdtype, kc, c, first, pf, prefetch); break;
         default: micro_tile(1, am, lda, pk, pdtype, kc, c, first, pf, prefetch); break;
         }
+        if (done) done(ctx, m - mr, mr, c);
     }
 }
 
-/* A slice streamed from memory, the next one (pf) fetched meanwhile (gemm.c's panels). */
+/* A slice streamed from memory, the next one (pf) fetched meanwhile (gemm.c's panels);
+ * done (or NULL) after each tile, with rows counted from 0. */
 static inline __attribute__((always_inline)) void rows_times_slice(
-    const float *a, int lda, int rows, const void *pk, int pdtype, int kc, float *cs, int first, const char *pf) {
-    rows_times_slice_(a, lda, rows, pk, pdtype, kc, cs, first, pf, 1);
+    const float *a, int lda, int rows, const void *pk, int pdtype, int kc, float *cs, int first, const char *pf,
+    tile_done_fn done, void *ctx) {
+    rows_times_slice_(a, lda, rows, pk, pdtype, kc, cs, first, pf, 1, done, ctx);
 }
 
 /* A float32 slice already in L1 (quant.c's dequantized buffer): nothing to fetch. */
 static inline __attribute__((always_inline)) void rows_times_l1_slice(
     const float *a, int lda, int rows, const float *pk, int kc, float *cs, int first) {
-    rows_times_slice_(a, lda, rows, pk, TK_F32, kc, cs, first, NULL, 0);
+    rows_times_slice_(a, lda, rows, pk, TK_F32, kc, cs, first, NULL, 0, NULL, NULL);
 }
 
 /* The gate/up epilogue on one row of a tile: gr [NR] := silu(gate + bg) * (up + bu), with
