@@ -23,7 +23,7 @@ from engine_svc.lora_registry import LoraRefusedError, LoraRegistry
 from engine_svc.model.gguf_checkpoint import resolve_model_dir
 from engine_svc.model.lora import LoraAdapter
 from engine_svc.model.runner import ModelRunner
-from engine_svc.model.served import return_freed_heap
+from engine_svc.model.served import keep_step_buffers, return_freed_heap
 from engine_svc.outputs import EngineOutput, EngineStats, LoraAdapterInfo, ModelInfo, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
 from engine_svc.sched.kv_cache import KVCacheManager
@@ -269,6 +269,8 @@ class EngineCore:
                 max_seqs=sched.max_num_seqs,
             )
         return_freed_heap()  # what loading and the first steps freed
+        if self.runner.device.type == "cpu":
+            keep_step_buffers()  # from now on, what a step frees the next one reuses
 
     def model_info(self) -> ModelInfo:
         runner = self.runner
