@@ -22,9 +22,11 @@ async def test_frontend_kill_frees_everything_on_the_engine(shared):
             grpc.aio.insecure_channel(engine.address) as engine_channel,
             grpc.aio.insecure_channel(frontend.address) as channel,
         ):
-            # A bystander on its own engine stream, which must not notice anything.
+            # A bystander on its own engine stream, which must not notice anything. Long enough
+            # to be running still when the frontend's calls have all started (150 tokens could
+            # be done by then).
             bystander = EngineStream(engine_channel)
-            survivor = bystander.add("survivor", list(range(5, 40)), max_tokens=150, temperature=0.0, ignore_eos=True)
+            survivor = bystander.add("survivor", list(range(5, 40)), max_tokens=1000, temperature=0.0, ignore_eos=True)
 
             stub = stub_of(channel)
             started = [asyncio.Event() for _ in range(4)]
@@ -47,7 +49,7 @@ async def test_frontend_kill_frees_everything_on_the_engine(shared):
 
             # Only the bystander's request is left, and it finishes whole.
             await bystander.wait("survivor", timeout=60)
-            assert len(survivor.token_ids) == 150 and not bystander.foreign_ids
+            assert len(survivor.token_ids) == 1000 and not bystander.foreign_ids
             bystander.close()
             await bystander.finished()
             assert await wait_engine_drained(engine.address, timeout=5) < 5
