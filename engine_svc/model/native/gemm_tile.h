@@ -74,12 +74,12 @@ static inline __attribute__((always_inline)) void micro_tile(
     }
 }
 
-/* cs [rows][NR] (=|+=) A[0..rows)[0..kc) @ one panel slice, MR rows at a time. a: row 0's
- * element k0 (the slice's first), row stride lda. */
 /* A tile's rows done: done(ctx, first row, rows, their sums in cs), called after each tile
  * of a product's last slice, so the tile's results leave while the next tiles compute. */
 typedef void (*tile_done_fn)(void *ctx, int m, int mr, float *cs);
 
+/* cs [rows][NR] (=|+=) A[0..rows)[0..kc) @ one panel slice, MR rows at a time. a: row 0's
+ * element k0 (the slice's first), row stride lda; done (or NULL) after each tile. */
 static inline __attribute__((always_inline)) void rows_times_slice_(
     const float *a, int lda, int rows, const void *pk, int pdtype, int kc, float *cs, int first, const char *pf,
     const int prefetch, tile_done_fn done, void *ctx) {
