@@ -243,7 +243,7 @@ typedef struct {
 static void prefill_item_run(const prefill_item *it, void *out, const void *q, long q_row_stride, const char *k_cache,
                              const char *v_cache, const int32_t *table, int chunk_row, int chunk_start, int chunk_len,
                              int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtype,
-                             int kv_dtype, const prefill_scratch *w) {
+                             int kv_dtype, const prefill_scratch *w, const char *q_next, size_t q_next_row_bytes) {
     const int group = num_heads / num_kv_heads, rows = QT * group, kvh = it->kv_head;
     const size_t token_stride = (size_t)num_kv_heads * head_dim, block_elems = (size_t)block_size * token_stride;
     const int q0 = it->tile * QT, nqt = chunk_len - q0 < QT ? chunk_len - q0 : QT;
@@ -263,7 +263,13 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
     }
     memset(w->o, 0, sizeof(float) * (size_t)rows * head_dim);
     const int last_pos = pos0 + nqt - 1, num_blocks = last_pos / block_size + 1;
+    /* The next item's query rows (QT tokens, its group's heads) into the cache while this
+     * item computes, a share each block: they are read first thing there, from a buffer
+     * far larger than the cache. */
+    const size_t q_lines = q_next == NULL ? 0 : ((size_t)group * head_dim * (dtype == TK_BF16 ? 2 : 4) + 63) / 64;
     for (int b = 0; b < num_blocks; b++) {
+        for (size_t i = (size_t)b * QT / num_blocks; q_next != NULL && i < (size_t)(b + 1) * QT / num_blocks; i++)
+            for (size_t l = 0; l < q_lines; l++) __builtin_prefetch(q_next + i * q_next_row_bytes + 64 * l, 0, 3);
         const size_t base = (size_t)table[b] * block_elems + (size_t)kvh * head_dim;
         const int t0 = b * block_size, ntok = last_pos + 1 - t0 < block_size ? last_pos + 1 - t0 : block_size;
         const float *kr = (const float *)k_cache + base, *vr = (const float *)v_cache + base;
@@ -376,16 +382,29 @@ int tk_prefill_attention(void *out, const void *q, long q_row_stride, const void
             w.l = w.m + rows;
             w.pb = w.l + rows;
         }
-        for (;;) {
-            int i;
+        /* Each thread takes its next item before running the current one, so it can fetch
+         * that item's query rows ahead. */
+        const size_t elem = dtype == TK_BF16 ? 2 : 4;
+        int i;
 #pragma omp atomic capture
-            i = next++;
-            if (i >= num_items || buf == NULL) break;
+        i = next++;
+        while (i < num_items && buf != NULL) {
+            int following;
+#pragma omp atomic capture
+            following = next++;
+            const char *q_next = NULL;
+            if (following < num_items) {
+                const prefill_item *f = &items[following];
+                q_next = (const char *)q + ((size_t)(chunk_rows[f->chunk] + f->tile * QT) * q_row_stride +
+                                            (size_t)f->kv_head * (num_heads / num_kv_heads) * head_dim) * elem;
+            }
             const prefill_item *it = &items[i];
             const int c = it->chunk;
             prefill_item_run(it, out, q, q_row_stride, (const char *)k_cache, (const char *)v_cache,
                              block_table + (size_t)c * table_stride, chunk_rows[c], chunk_starts[c], chunk_lens[c],
-                             num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype, &w);
+                             num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype, &w, q_next,
+                             (size_t)q_row_stride * elem);
+            i = following;
         }
         free(buf);
     }
