@@ -36,6 +36,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_populate: bool = False
+    # Start-up bound: on VMs whose fresh memory the host backs slowly, a large pool can take
+    # many seconds to write (kv_memory.py).
+    kv_cache_populate_seconds: float = 5.0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_waiting: int = 1024
@@ -247,10 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-populate",
         action=argparse.BooleanOptionalAction,
         default=d.kv_cache_populate,
-        help="make the whole KV cache resident at start (every page written once), as servers that reserve "
-        "their memory do: no page faults in the steps that first use a block, and a pool the machine cannot "
-        "back fails at start. Off: pages are faulted in as blocks are first used, and the resident size grows "
-        "with use",
+        help="make the KV cache resident at start (every page written once, within "
+        "--kv-cache-populate-seconds), as servers that reserve their memory do: no page faults in the steps "
+        "that first use a block, and a pool the machine cannot back fails at start. Off: pages are faulted in "
+        "as blocks are first used, and the resident size grows with use",
+    )
+    s.add_argument(
+        "--kv-cache-populate-seconds",
+        type=seconds,
+        default=d.kv_cache_populate_seconds,
+        help="with --kv-cache-populate, at most this long writing the pool at start: blocks in the order they "
+        "are handed out, the rest faulted in on first use (the log says how far it got); 0 = no limit",
     )
     s.add_argument(
         "--enable-prefix-caching",

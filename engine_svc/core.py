@@ -76,6 +76,7 @@ class EngineCore:
             kv_cache_bytes=config.kv_cache_bytes,  # both None: sized from the model
             kv_cache_dtype=config.kv_cache_dtype,
             kv_cache_populate=config.kv_cache_populate,
+            kv_cache_populate_seconds=config.kv_cache_populate_seconds,
             max_model_len=config.max_model_len,
             seed=config.seed,
             kernels=config.kernels,

@@ -3,7 +3,7 @@
     bytes_per_block(...)     K and V of every layer for block_size tokens
     size_kv_cache(...)       --num-kv-blocks, else --kv-cache-bytes, else the default below
     allocate_kv_cache(...)   one (k_cache, v_cache) pair per layer, views of one zeroed tensor
-                             (populate=True: every page resident before it returns)
+    populate_kv_cache(...)   its pages resident, first blocks first, within a time limit
 
 Default size, when neither --num-kv-blocks nor --kv-cache-bytes is given::
 
@@ -19,20 +19,20 @@ every request that fits the context fits the cache.
 On CPU the cache is a private anonymous memory map: the kernel hands out zero pages as
 they are first touched, so start-up does not write the whole cache and the resident size
 grows with the blocks actually used. (It must read as zeros, not garbage: masked padding
-reads unused slots, and 0 x NaN is NaN.) A populated map (below) asks for transparent huge
-pages (MADV_HUGEPAGE, where the kernel's THP mode is ``madvise`` or ``always``): a 2 MiB
-page is one fault and one TLB entry where 4 KiB pages are 512, and decode attention reads
-blocks scattered over the whole pool.
+reads unused slots, and 0 x NaN is NaN.)
 
 That first touch is not free: a fault and the page's zeroing, and on a virtual machine
 often the host's own fault behind it. Measured on a 2-core Zen 5 VM (the 135M benchmark
 model, a 2 GiB pool, the standard workload): lazily faulted pages cost the run's steps
-0.3-1.2 s of 20-23 (the K/V writes of the step that first uses a block), and a pool
-populated up front took them off the steps: ``--kv-cache-populate`` (``populate=True``
-here) writes every page at start (in parallel, torch's zero fill), as servers that
-reserve their KV memory at start do: the engine's resident size is then its full size
-from the first request, and a pool the machine cannot back fails at start instead of
-under load. A pool populated from fresh memory of that VM took up to ~2 s per GiB.
+0.3-1.2 s of 20-23 (the K/V writes of the step that first uses a block).
+``--kv-cache-populate`` (populate_kv_cache below) takes them off the steps: it writes the
+pool at start, as servers that reserve their KV memory at start do, block by block in the
+order the block manager hands blocks out (lowest ids first), for at most
+``--kv-cache-populate-seconds``; the blocks past that fault in on first use. Memory the
+host has not backed yet is slow to touch on such a VM: 2 GiB populated in 2-6.5 s in 4 KiB
+pages (0.1-0.5 s from memory the guest had used before), and 256 MiB took 2.5-2.8 s in
+2 MiB pages (transparent huge pages) where 4 KiB pages took 0.11-0.14 s in the same state:
+the map asks for no huge pages (populated runs measured the same with and without them).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -101,14 +102,42 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
-    populate: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
 
     Zeroed, not empty: masked padding reads these slots, and softmax weight 0 times a
-    garbage NaN would still be NaN. populate: every page made resident now (CPU)."""
-    cache = zeroed((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device, populate)
+    garbage NaN would still be NaN."""
+    cache = zeroed((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
+
+
+POPULATE_CHUNK_BYTES = 64 << 20  # about this much written between looks at the clock
+
+
+def populate_kv_cache(
+    pools: list[tuple[torch.Tensor, torch.Tensor]], seconds: float | None = None, clock=time.perf_counter
+) -> int:
+    """Makes the CPU pages of ``pools`` (per layer (k, v), [num_blocks, ...] each, every
+    pair with the same block count: a target's and its drafter's) resident by writing zeros
+    over them, block by block from block 0 (the block manager hands out the lowest free ids
+    first), until every block is or ``seconds`` have passed (None or 0: no limit). Returns
+    how many of the first blocks are resident; the rest fault in on first use. Only for a
+    pool no step has written yet: what it writes is zeros. ``clock``: seconds, for tests."""
+    if not pools:
+        return 0
+    num_blocks = pools[0][0].shape[0]
+    if pools[0][0].device.type != "cpu":
+        return num_blocks  # device memory is allocated whole
+    block_bytes = sum(2 * k[0].numel() * k.element_size() for k, _ in pools)
+    chunk = max(1, POPULATE_CHUNK_BYTES // max(1, block_bytes))
+    start, done = clock(), 0
+    while done < num_blocks and not (seconds and clock() - start >= seconds):
+        hi = min(num_blocks, done + chunk)
+        for k, v in pools:
+            k[done:hi].zero_()  # across torch's threads: the host's page faults overlap
+            v[done:hi].zero_()
+        done = hi
+    return done
 
 
 def default_num_kv_blocks(
@@ -169,9 +198,8 @@ def available_memory(device: torch.device) -> int | None:
     return min(figures) if figures else None
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, populate: bool = False) -> torch.Tensor:
-    """A zero tensor; on CPU backed by pages the kernel zeroes on first touch, or with
-    populate, touched (written with zeros) before this returns."""
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU backed by pages the kernel zeroes on first touch."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = 1
@@ -180,22 +208,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pop
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # Anonymous and private (mmap's default is shared, which Linux backs with shmem: no
-    # huge pages there unless the admin enables them for shmem); reads as zeros.
+    # Anonymous and private (mmap's default is shared, which Linux backs with shmem).
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # Huge pages only for a map written whole now: faulted in lazily, a 2 MiB page costs
-    # its step a 2 MiB zeroing (and the compaction to find one), which measured slower than
-    # 4 KiB pages (benchmarks.offline, standard workload: 391-405 against 429-434 tok/s).
-    if populate and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel built without THP: 4 KiB pages
-            pass
     # frombuffer keeps ``buffer`` alive as long as the tensor (or a view of it) lives.
-    raw = torch.frombuffer(buffer, dtype=torch.uint8)
-    if populate:
-        raw.zero_()  # faults every page in now, across torch's threads
-    return raw.view(dtype).view(shape)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _meminfo_available() -> int | None:

@@ -32,7 +32,7 @@ from engine_svc.model.attention import AttentionMetadata, AttentionSetup, KVCach
 from engine_svc.model.backend import KernelBuild, ModelBackend
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.hf_quantized import quantization_scheme
-from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, size_kv_cache
+from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, populate_kv_cache, size_kv_cache
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
@@ -68,6 +68,7 @@ class ModelRunner:
         max_model_len: int | None,
         kv_cache_dtype: str = "auto",
         kv_cache_populate: bool = False,
+        kv_cache_populate_seconds: float | None = None,
         seed: int = 0,
         kernels: str = "auto",
         batch_size_hint: int = 64,
@@ -97,6 +98,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
         self.kv_cache_populate = kv_cache_populate
+        self.kv_cache_populate_seconds = kv_cache_populate_seconds
         self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache()
@@ -221,10 +223,20 @@ class ModelRunner:
             head_dim=args.head_dim,
             dtype=self.kv_dtype,
             device=self.device,
-            populate=self.kv_cache_populate,
         )
         if self.drafter is not None:
-            self.drafter.allocate(self.num_kv_blocks, populate=self.kv_cache_populate)
+            self.drafter.allocate(self.num_kv_blocks)
+        populated = ""
+        if self.kv_cache_populate:
+            pools = kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
+            done = populate_kv_cache(pools, self.kv_cache_populate_seconds)
+            seconds = time.perf_counter() - start
+            populated = (
+                f", populated in {seconds:.2f} s"
+                if done == self.num_kv_blocks
+                else f", blocks 0-{done - 1} populated in {seconds:.2f} s (--kv-cache-populate-seconds); "
+                "the rest fault in on first use"
+            )
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB, %s), max_model_len %d%s",
             self.num_kv_blocks,
@@ -232,7 +244,7 @@ class ModelRunner:
             self.num_kv_blocks * self.bytes_per_block / 2**20,
             str(self.kv_dtype).removeprefix("torch."),
             self.max_model_len,
-            f", populated in {time.perf_counter() - start:.2f} s" if self.kv_cache_populate else "",
+            populated,
         )
         return kv_caches
 

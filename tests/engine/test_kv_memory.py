@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from engine_svc.model import kv_memory
-from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, default_num_kv_blocks, size_kv_cache, zeroed
+from engine_svc.model.kv_memory import (
+    allocate_kv_cache,
+    bytes_per_block,
+    default_num_kv_blocks,
+    populate_kv_cache,
+    size_kv_cache,
+    zeroed,
+)
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -57,14 +64,50 @@ def test_zeroed_cpu_memory_is_not_written_up_front():
     assert float(cache[1, 2].mean()) == 1.5 and float(cache[1, 3].sum()) == 0.0
 
 
+def _pool(num_layers: int, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A pool whose blocks take 1 MiB in each layer's K and V (16 tokens x 8 heads x 2048 floats)."""
+    return allocate_kv_cache(
+        num_layers=num_layers, num_blocks=num_blocks, block_size=16, num_kv_heads=8, head_dim=2048,
+        dtype=torch.float32, device=CPU,
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident size from /proc")
-def test_populated_cpu_memory_is_resident_at_once_and_zero():
+def test_populated_pool_is_resident_at_once_and_zero():
+    pool = _pool(2, 32)  # 2 layers x 2 x 32 blocks x 1 MiB = 128 MiB
     before = _rss_bytes()
-    cache = zeroed((2, 64, 16, 16, 1024), torch.float32, CPU, populate=True)  # 128 MiB
+    assert populate_kv_cache(pool) == 32
     assert _rss_bytes() - before > 120 * MiB  # without populate: under 64 MiB (the test above)
-    assert not cache.any()
-    cache[1, 2] = 1.5
-    assert float(cache[1, 2].mean()) == 1.5 and float(cache[1, 3].sum()) == 0.0
+    assert not any(t.any() for kv in pool for t in kv)
+    pool[1][0][2] = 1.5
+    assert float(pool[1][0][2].mean()) == 1.5 and float(pool[1][0][3].sum()) == 0.0
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's resident size from /proc")
+def test_populate_stops_at_its_time_limit_with_the_first_blocks_resident(monkeypatch):
+    monkeypatch.setattr(kv_memory, "POPULATE_CHUNK_BYTES", 8 * MiB)  # 2 blocks of 2 layers' K and V
+    pool = _pool(2, 64)  # 256 MiB
+    ticks = iter(range(100))  # each look at the clock one "second" after the last
+    assert populate_kv_cache(pool, seconds=3.0, clock=lambda: float(next(ticks))) == 4  # 2 chunks in time
+    for k, v in pool:  # blocks 0-3 resident in every layer's K and V, the rest not touched
+        for t in (k, v):
+            assert _resident_mib(t[:4]) == 4 and _resident_mib(t[4:]) == 0
+    assert populate_kv_cache(pool, seconds=0) == 64  # 0: no limit
+    assert all(_resident_mib(t) == 64 for kv in pool for t in kv) and not any(t.any() for kv in pool for t in kv)
+
+
+def _resident_mib(t: torch.Tensor) -> int:
+    """MiB of ``t``'s pages (page-aligned, contiguous) that are resident, from mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    nbytes = t.numel() * t.element_size()
+    assert t.is_contiguous() and t.data_ptr() % page == 0 and nbytes % page == 0
+    vec = (ctypes.c_ubyte * (nbytes // page))()
+    assert libc.mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page // MiB
 
 
 def _smaps(address: int) -> dict[str, str]:
@@ -90,14 +133,13 @@ def _smaps_flags(address: int) -> set[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's flags from /proc")
-def test_zeroed_cpu_memory_is_private_and_populated_memory_asks_for_huge_pages():
-    caches = [zeroed((4, 1024, 1024), torch.float32, CPU, populate=p) for p in (False, True)]
-    lazy, populated = (_smaps_flags(c.data_ptr()) for c in caches)
-    # private: a shared anonymous map is shmem, which THP's madvise mode skips
-    assert "sh" not in lazy and "sh" not in populated
-    assert "hg" not in lazy  # faulted lazily, 4 KiB pages cost a step less than 2 MiB ones
-    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
-        assert "hg" in populated  # MADV_HUGEPAGE
+def test_zeroed_cpu_memory_is_private_without_huge_pages():
+    cache = zeroed((4, 1024, 1024), torch.float32, CPU)  # kept: freed, it would be unmapped
+    flags = _smaps_flags(cache.data_ptr())
+    assert "sh" not in flags  # private: a shared anonymous map is shmem
+    # 4 KiB pages: faulted lazily they cost a step less than 2 MiB ones, and memory the host
+    # has not backed yet took far longer to populate in 2 MiB pages (kv_memory.py)
+    assert "hg" not in flags
 
 
 def test_zeroed_in_half_precision():

@@ -119,9 +119,9 @@ class DraftModel:
         self._num_computed: dict[str, int] = {}  # request id -> positions its cache holds
         logger.info("draft model %s: %s", self.name, backend.describe())
 
-    def allocate(self, num_blocks: int, populate: bool = False) -> None:
-        """Its KV cache: as many blocks as the target's, which it shares the ids of
-        (populate: resident now, as the target's)."""
+    def allocate(self, num_blocks: int) -> None:
+        """Its KV cache: as many blocks as the target's, which it shares the ids of (the
+        runner populates the two together)."""
         self.kv_caches = allocate_kv_cache(
             num_layers=self.args.num_layers,
             num_blocks=num_blocks,
@@ -130,7 +130,6 @@ class DraftModel:
             head_dim=self.args.head_dim,
             dtype=self.dtype,
             device=self.device,
-            populate=populate,
         )
 
     def forget(self, request_ids: set[str] | list[str]) -> None:
