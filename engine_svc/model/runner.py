@@ -107,7 +107,7 @@ class ModelRunner:
             block_size, self.device, self.dtype, self.workspace, self.kernels, self.native_prefill,
             self.model_args.sliding_window,
         )  # fmt: skip
-        self.sampler = Sampler(self.vocab_size, self.device)
+        self.sampler = Sampler(self.vocab_size, self.device, self.kernels)
         self.sampler.generator.manual_seed(seed)
 
     # -- construction steps ------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from engine_svc.model import sampler_stages as stages
 from engine_svc.model.sampler_state import SamplerState
 from engine_svc.model.structured import BatchMask
 from engine_svc.types import Logprob, RequestError, RequestView
+
+if TYPE_CHECKING:
+    from engine_svc.model.native import NativeKernels
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, kernels: NativeKernels | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.kernels = kernels  # for argmax over float32 CPU rows
         # Noise for rows without a seed; public so tests and benchmarks can fix it.
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
@@ -80,12 +85,12 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(requests) if not stages.is_greedy(r.sampling_params)]
         row_proposals = [None] * len(requests) if proposals is None else proposals
         if not sampled_rows:
-            token_ids = stages.argmax_rows(x)  # [num_rows]
+            token_ids = stages.argmax_rows(x, self.kernels)  # [num_rows]
         elif len(sampled_rows) == len(requests):
             token_ids = self._sample_rows(x, requests, row_proposals)
         else:
             rows = self._tensor(sampled_rows)
-            token_ids = stages.argmax_rows(x)
+            token_ids = stages.argmax_rows(x, self.kernels)
             token_ids[rows] = self._sample_rows(
                 x[rows], [requests[i] for i in sampled_rows], [row_proposals[i] for i in sampled_rows]
             )
@@ -191,7 +196,7 @@ class Sampler:
     ) -> torch.Tensor:
         """``x`` [S, vocab] processed logits of the non-greedy rows -> token ids [S]."""
         probs = self.probabilities(x, requests)  # [S, vocab]
-        token_ids = stages.exponential_race(probs, self._uniform_noise(requests, probs.shape))
+        token_ids = stages.exponential_race(probs, self._uniform_noise(requests, probs.shape), self.kernels)
         # A seeded row keeps the token its own generator draws (the same as without
         # drafts); a draft is then kept only where it equals that token.
         judged = [i for i, p in enumerate(proposals) if p is not None and requests[i].sampling_params.seed is None]
@@ -226,7 +231,7 @@ class Sampler:
     @torch.inference_mode()
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row of ``probs`` [S, vocab] from the sampler's own generator: [S]."""
-        return stages.exponential_race(probs, torch.empty_like(probs).uniform_(generator=self.generator))
+        return stages.exponential_race(probs, torch.empty_like(probs).uniform_(generator=self.generator), self.kernels)
 
     def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         """Mask ``x`` [S, vocab] in place to top-k, then top-p (vocab = no top-k). The

@@ -214,6 +214,30 @@ def test_rms_norm_with_and_without_residual(kernels, dtype, rows, dim):
         _close(kernels.rms_norm(x, norm.weight, norm.eps), norm(x)[0], dtype)
 
 
+@pytest.mark.parametrize("cols", [1, 15, 16, 31, 33, 100, 49152])
+def test_argmax_rows_is_torchs_first_maximum(kernels, cols):
+    """The greedy sampler's argmax: the first of equal maxima, a NaN counting as the maximum
+    (the first NaN), -inf rows, and rows that lie further apart than their width."""
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(40, cols + 3, generator=g)[:, :cols]  # a slice of wider rows
+    x[1] = 2.0  # all equal: index 0
+    x[2] = float("-inf")
+    x[3, cols // 2] = float("nan")
+    x[4, -1] = float("nan")
+    x[5, cols // 3 :] = 50.0  # a tie well after the start: its first index
+    x[6, : cols // 2 + 1] = -0.0  # -0.0 and 0.0 equal: the first
+    x[6, cols // 2 + 1 :] = 0.0
+    x[7, (cols * 2) // 3] = float("inf")
+    x[8] = torch.randint(0, 3, (cols,), generator=g).float()  # many ties
+    x[9, 0] = float("nan")
+    x[9, -1] = float("nan")
+    want = x.max(dim=-1).indices
+    assert torch.equal(kernels.argmax_rows(x), want)
+    assert torch.equal(kernels.argmax_rows(x[:1]), want[:1])  # one row: no parallel region
+    with pytest.raises(ValueError, match="rows are contiguous"):
+        kernels.argmax_rows(x.t())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(kernels, dtype):
     gu = (torch.randn(7, 2 * 100) * 4).to(dtype)

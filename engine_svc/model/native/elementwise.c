@@ -4,6 +4,7 @@
  *   tk_rms_norm   residual += x (when given), out = rmsnorm(residual or x) * weight
  *   tk_silu_mul   out = silu(gate) * up, from one [rows, 2 * inter] gate/up tensor
  *   tk_rope       rotate-half RoPE in place on the q and k heads of a fused qkv tensor
+ *   tk_argmax_rows  each row's first maximum (greedy sampling over the logits)
  *
  * They round where torch's ops on the model dtype round (in bfloat16: each op's result),
  * so they agree with the plain-PyTorch path to float32 rounding. The few operations that
@@ -133,5 +134,50 @@ __attribute__((optimize("fp-contract=off"))) int tk_rope(void *qkv, long row_str
             }
         }
     }
+    return 0;
+}
+
+/* The index of the first maximum of x[0 .. n), a NaN counting as the maximum (the first
+ * NaN, then): torch's max(dim=-1).indices. Per lane, the first of its largest values (a
+ * strict >), then the largest of the lanes' values at the smallest index. */
+static int64_t argmax_row(const float *x, int n) {
+    float m = x[0];
+    int64_t at = 0;
+    int i = 1, nan = x[0] != x[0];
+    if (n >= 2 * TK_VL) {
+        vf best = vload(x);
+        vi lane, idx, seen_nan = (vi)(best != best);
+        for (int l = 0; l < TK_VL; l++) lane[l] = l;
+        idx = lane;
+        for (i = TK_VL; i + TK_VL <= n; i += TK_VL) {
+            const vf v = vload(x + i);
+            const vi gt = (vi)(v > best);
+            best = vselect(gt, v, best);
+            idx = ((lane + i) & gt) | (idx & ~gt);
+            seen_nan |= (vi)(v != v);
+        }
+        m = best[0], at = idx[0];
+        for (int l = 1; l < TK_VL; l++) {
+            if (best[l] > m || (best[l] == m && idx[l] < at)) m = best[l], at = idx[l];
+            nan |= seen_nan[l] != 0;
+        }
+        nan |= seen_nan[0] != 0;
+    }
+    for (; i < n && !nan; i++) {
+        nan = x[i] != x[i];
+        if (x[i] > m) m = x[i], at = i;
+    }
+    if (nan)
+        for (i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    return at;
+}
+
+/* out[r] := argmax_row of row r of x [rows, cols] float32 (rows ld floats apart). */
+int tk_argmax_rows(int64_t *out, const float *x, long ld, int rows, int cols, int num_threads) {
+    if (rows < 0 || cols <= 0 || ld < cols) return 2;
+    const int threads = (size_t)rows * cols >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * ld, cols);
     return 0;
 }

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "tk_qgemm_int8": [],
     "tk_decode_stack": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I],
     "tk_write_kv": [_P, _P, _I, _P, _P, _L, _I, _P, _I, _I, _L, _I],
+    "tk_argmax_rows": [_P, _P, _L, _I, _I, _I],
 }
 
 
@@ -301,6 +302,19 @@ class NativeKernels:
             _P(weight.data_ptr()), _int32(rows), _int32(dim), _F(eps), code, torch.get_num_threads(),
         )  # fmt: skip
         _check("rms_norm", rc)
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, cols] float32 (a row's values contiguous; rows may lie further apart,
+        as in a slice of wider logits) -> int64 [rows]: each row's first maximum, a NaN
+        counting as the maximum, as ``x.max(dim=-1).indices``."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
+            raise ValueError("argmax_rows takes a 2-D float32 CPU tensor whose rows are contiguous")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        rc = self._lib.tk_argmax_rows(
+            out.data_ptr(), x.data_ptr(), x.stride(0), _int32(x.shape[0]), _int32(x.shape[1]), torch.get_num_threads()
+        )
+        _check("argmax_rows", rc)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
