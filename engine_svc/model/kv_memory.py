@@ -31,8 +31,10 @@ order the block manager hands blocks out (lowest ids first), for at most
 ``--kv-cache-populate-seconds``; the blocks past that fault in on first use. Memory the
 host has not backed yet is slow to touch on such a VM: 2 GiB populated in 2-6.5 s in 4 KiB
 pages (0.1-0.5 s from memory the guest had used before), and 256 MiB took 2.5-2.8 s in
-2 MiB pages (transparent huge pages) where 4 KiB pages took 0.11-0.14 s in the same state:
-the map asks for no huge pages (populated runs measured the same with and without them).
+2 MiB pages (transparent huge pages) where 4 KiB pages took 0.11-0.14 s in the same state,
+and faulted in lazily 2 MiB pages cost the steps more too (benchmarks.offline, standard
+workload: 391-405 against 429-434 tok/s): the map opts out of huge pages (populated runs
+measured the same with and without them).
 """
 
 from __future__ import annotations
@@ -210,6 +212,12 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype)
     # Anonymous and private (mmap's default is shared, which Linux backs with shmem).
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # 4 KiB pages even where the kernel's THP mode is ``always`` (see the module docstring).
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:  # a kernel built without THP
+            pass
     # frombuffer keeps ``buffer`` alive as long as the tensor (or a view of it) lives.
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 

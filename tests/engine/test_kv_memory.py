@@ -140,6 +140,8 @@ def test_zeroed_cpu_memory_is_private_without_huge_pages():
     # 4 KiB pages: faulted lazily they cost a step less than 2 MiB ones, and memory the host
     # has not backed yet took far longer to populate in 2 MiB pages (kv_memory.py)
     assert "hg" not in flags
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert "nh" in flags  # MADV_NOHUGEPAGE: not even where THP's mode is "always"
 
 
 def test_zeroed_in_half_precision():
