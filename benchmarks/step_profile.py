@@ -51,7 +51,10 @@ def _label_native_kernels() -> None:
 
     from engine_svc.model.native import NativeKernels
 
-    for name in ("gemm", "qgemm", "rms_norm", "silu_mul", "rope", "decode_attention", "prefill_attention"):
+    for name in (
+        "gemm", "qgemm", "rms_norm", "silu_mul", "rope", "decode_attention", "prefill_attention", "decode_stack",
+        "write_kv", "argmax_rows",
+    ):  # fmt: skip
         fn = getattr(NativeKernels, name)
 
         @functools.wraps(fn)
