@@ -266,9 +266,14 @@ async def test_malformed_engine_control_message_ends_only_its_stream(shared, bus
     async with grpc.aio.insecure_channel(engine.address) as channel:
         call = channel.stream_stream("/tandem.engine.v1.EngineService/Stream")(messages(), timeout=30)
         outbox.put_nowait(good.SerializeToString() if busy else bad)
+        sent_bad = not busy
         with pytest.raises(grpc.aio.AioRpcError) as error:
             async for _ in call:
-                outbox.put_nowait(bad)  # while "running" decodes
+                # Once, while "running" decodes: a write after the engine has ended the stream
+                # fails on the client's side, and gRPC reports that (INTERNAL) instead.
+                if not sent_bad:
+                    outbox.put_nowait(bad)
+                    sent_bad = True
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert error.value.details().startswith("malformed control message:")
     await wait_engine_drained(engine.address, timeout=5)
