@@ -245,11 +245,15 @@ class StepRecorder:
         return rec
 
     def summary(self) -> dict:
-        """Achieved FLOP/s of steps with prefill rows and of decode-only steps, and of all."""
+        """Achieved FLOP/s of steps with prefill rows, of decode-only steps (all of them,
+        and those of 32 rows or more), and of all steps. ``context_tokens``: the keys (and
+        values) the steps' attention reads, summed over rows, per layer."""
+        per_context_token = self.shape.attention_flops(0, 1)  # one query over one key, every layer
 
         def phase(steps: list[StepRecord]) -> dict:
             seconds = sum(s.duration_s for s in steps)
             flops = sum(s.flops for s in steps)
+            attention = sum(s.attention for s in steps)
             return {
                 "num_steps": len(steps),
                 "seconds": seconds,
@@ -257,10 +261,33 @@ class StepRecorder:
                 "num_prefill_tokens": sum(s.num_prefill_tokens for s in steps),
                 "num_decode_rows": sum(s.num_decode_rows for s in steps),
                 "ms_per_step": 1000 * seconds / len(steps) if steps else 0.0,
+                "attention_share": attention / flops if flops else 0.0,
+                "context_tokens": attention // per_context_token,
             }
 
+        decode = [s for s in self.steps if not s.num_prefill_tokens]
         return {
             "prefill_steps": phase([s for s in self.steps if s.num_prefill_tokens]),
-            "decode_steps": phase([s for s in self.steps if not s.num_prefill_tokens]),
+            "decode_steps": phase(decode),
+            "decode_steps_32_rows": phase([s for s in decode if s.num_decode_rows >= 32]),
             "all_steps": phase(self.steps),
         }
+
+
+def decode_line(phases: dict, shape: ModelShape, peak_gflops: float, kv_bytes: int) -> str:
+    """One line on the decode-only steps of ``StepRecorder.summary()``: their FLOP/s as a
+    share of the peak, all of them and those of 32+ rows, and the K/V their attention read
+    (kv_bytes: bytes of one cached key or value element)."""
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
+    parts = []
+    for key, label in (("decode_steps", "decode-only steps"), ("decode_steps_32_rows", "with 32+ rows")):
+        p = phases[key]
+        if not p["num_steps"]:
+            parts.append(f"{label}: none")
+            continue
+        gb = p["context_tokens"] * per_token / 1e9
+        parts.append(
+            f"{label}: {p['num_steps']} at {p['gflops']:.1f} GFLOP/s ({p['gflops'] / peak_gflops:.0%} of the peak),"
+            f" {p['ms_per_step']:.1f} ms each, K/V read {gb:.1f} GB, {gb / p['seconds']:.1f} GB/s over their time"
+        )
+    return "; ".join(parts)

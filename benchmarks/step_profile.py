@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.profiler
 
-from benchmarks.flops import ModelShape, StepRecorder, ceiling, matmul_peak, workload_flops
+from benchmarks.flops import ModelShape, StepRecorder, ceiling, decode_line, matmul_peak, workload_flops
 from benchmarks.workloads import load
 
 
@@ -129,6 +129,7 @@ def run(args) -> dict:
         "peak": peak,
         "ceiling": ceiling(flops, peak["gflops"]),
         "phases": recorder.summary(),
+        "kv_element_bytes": core.runner.kv_caches[0][0].element_size(),
         "op_tables": tables,
     }
     report["ceiling_fraction"] = report["output_tok_per_s"] / report["ceiling"]["output_tok_per_s"]
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {kind} steps ==\n{table}")
     brief = {k: v for k, v in report.items() if k != "op_tables"}
     print(json.dumps(brief, indent=2))
+    shape = ModelShape.from_model_dir(args.model)
+    print(decode_line(report["phases"], shape, report["peak"]["gflops"], report["kv_element_bytes"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.flops import ModelShape, StepRecorder, ceiling, matmul_peak, workload_flops
+from benchmarks.flops import ModelShape, StepRecorder, ceiling, decode_line, matmul_peak, workload_flops
 from benchmarks.workloads import load
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -189,6 +189,7 @@ def run_tandem(args, workload: list[dict], shape: ModelShape) -> dict:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kernels": runner.kernels.isa if runner.kernels else None,
         "matmuls": runner.matmuls,
+        "kv_element_bytes": runner.kv_caches[0][0].element_size(),
         "engine_args": args.tandem_arg,
         "num_requests": len(workload),
         "num_output_tokens": num_output,
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         line += f"; tandem / vllm {tandem / vllm:.2f}x (target {target:.1f} tok/s: "
         line += "met)" if report["result"]["target_met"] else "not met)"
     print(line)
+    tandem_run = report["tandem"]
+    print("tandem " + decode_line(tandem_run["phases"], shape, peak["gflops"], tandem_run["kv_element_bytes"]))
     for side in ("vllm", "tandem"):
         if side in report:
             report[side].pop("output_token_ids", None)

@@ -395,7 +395,7 @@ def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_loads_with_int8_activations
 def test_step_recorder_counts_the_flops_of_the_workload(demo_model_dir):
     """Chunked prefills and decode rows, summed step by step, make the workload's FLOPs: a
     chunk is counted from where it starts, read before the step moves the request on."""
-    from benchmarks.flops import ModelShape, StepRecorder, workload_flops
+    from benchmarks.flops import ModelShape, StepRecorder, decode_line, workload_flops
     from engine_svc.config import EngineConfig, build_parser
     from engine_svc.core import EngineCore
     from engine_svc.types import SamplingParams
@@ -417,3 +417,15 @@ def test_step_recorder_counts_the_flops_of_the_workload(demo_model_dir):
     phases = recorder.summary()
     assert phases["prefill_steps"]["num_prefill_tokens"] == sum(len(r["prompt_token_ids"]) for r in workload)
     assert phases["prefill_steps"]["num_steps"] > len(workload)  # prompts longer than a step: chunked
+    # Every computed token reads its own and every earlier position's K/V, in every step kind.
+    computed = [len(r["prompt_token_ids"]) + r["max_tokens"] - 1 for r in workload]
+    assert phases["all_steps"]["context_tokens"] == sum(n * (n + 1) // 2 for n in computed)
+    decode = phases["decode_steps"]
+    decode_rows = sum(r["max_tokens"] - 1 for r in workload)
+    assert decode["num_decode_rows"] + phases["prefill_steps"]["num_decode_rows"] == decode_rows
+    assert 0 < decode["attention_share"] < 1
+    assert phases["decode_steps_32_rows"]["num_steps"] == 0  # five requests: never 32 rows
+    line = decode_line(phases, shape, 100.0, 4)
+    assert "with 32+ rows: none" in line
+    gb = decode["context_tokens"] * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4 / 1e9
+    assert f"K/V read {gb:.1f} GB" in line
