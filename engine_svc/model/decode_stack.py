@@ -11,10 +11,11 @@ Python around them costs about as much as the kernels. ``tk_decode_stack`` calls
 kernels with the same arguments in the same order, so its output is bit for bit the
 module path's (tests/engine/test_decode_stack.py).
 
-It takes what its C code implements and nothing else: float32 activations (the caches
-float32 or bfloat16), Llama-shaped layers (pre-norm, fused qkv, full RoPE, no q/k norm, no
-sliding window, a SiLU-and-multiply MLP) on the native kernels, with packed float32 or
-quantized linear layers, and no LoRA adapters (``LoraSlots`` takes it out). Any other model, or a step with
+It takes what its C code implements and nothing else: Llama-shaped layers (pre-norm, fused
+qkv, full RoPE, no q/k norm, no sliding window, a SiLU-and-multiply MLP) on the native
+kernels, no LoRA adapters (``LoraSlots`` takes it out), and either float32 activations (the
+caches float32 or bfloat16) with packed float32 or quantized linear layers, or a bfloat16
+model: bfloat16 activations and caches, every linear layer packed in bfloat16. Any other model, or a step with
 prefill rows, takes the module path.
 """
 
@@ -56,22 +57,23 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [
         ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I), ("block_size", _I),
-        ("max_position", _I), ("eps", _F), ("scale", _F), ("kv_dtype", _I),
+        ("max_position", _I), ("eps", _F), ("scale", _F), ("kv_dtype", _I), ("dtype", _I),
     ]  # fmt: skip
 
 
-def _linear(module: torch.nn.Module) -> _Linear | None:
-    if type(module) is QuantizedLinear:
+def _linear(module: torch.nn.Module, dtype: torch.dtype) -> _Linear | None:
+    """The layer as the C code takes it for activations of ``dtype``, or None."""
+    if type(module) is QuantizedLinear and dtype == torch.float32:
         w = module.weight_p
         qs, scale, minimum, bias = w.pointers
         return _Linear(
             1, w.bits, qs, scale, minimum, SCALE_CODES[w.scale.dtype], w.group, bias, w.out_features, w.in_features,
             EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE, int(module.int8_activations),
         )  # fmt: skip
-    if type(module) is NativeLinear and module.packed.panels.dtype == torch.float32:
+    if type(module) is NativeLinear and module.packed.panels.dtype == dtype:
         p = module.packed
         return _Linear(
-            0, 0, p.panels.data_ptr(), None, None, 0, 0, None if p.bias is None else p.bias.data_ptr(),
+            0, DTYPE_CODES[dtype], p.panels.data_ptr(), None, None, 0, 0, None if p.bias is None else p.bias.data_ptr(),
             p.out_features, p.in_features, EPILOGUE_SILU_MUL if p.silu_mul else EPILOGUE_NONE,
         )  # fmt: skip
     return None
@@ -89,9 +91,14 @@ class DecodeStack:
         self.cos_sin = model.rotary.cos_sin  # [max_position, head_dim] float32
         self._caches: list[KVCache] | None = None
         self._cache_ptrs: tuple[int, int] = (0, 0)
+        self.dtype = model.norm.weight.dtype  # the activations' (the model's)
         args = model.args
-        self._width = args.hidden_size + (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-        self._width += args.num_heads * args.head_dim + max(layer.gate_up.n for layer in layers)
+        inter = max(layer.gate_up.n for layer in layers)
+        width = args.hidden_size + (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        width += args.num_heads * args.head_dim + inter
+        if self.dtype == torch.bfloat16:  # bfloat16 rows (half a float each), and tk_gemm's widened A
+            width = (width + 1) // 2 + max(args.hidden_size, args.num_heads * args.head_dim, inter)
+        self._width = width
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step is one the stack runs: decode rows only, on the native kernel."""
@@ -100,7 +107,7 @@ class DecodeStack:
             meta.prefill is None
             and isinstance(decode, NativeDecode)
             and decode.num_rows == x.shape[0]
-            and x.dtype == torch.float32
+            and x.dtype == self.dtype
         )
 
     def _point_at(self, kv_caches: list[KVCache]) -> None:
@@ -112,6 +119,8 @@ class DecodeStack:
         for layer, (k, v) in zip(self.layers, kv_caches):
             if k.dtype not in (torch.float32, torch.bfloat16) or not (k.is_contiguous() and v.is_contiguous()):
                 raise ValueError("decode stack: caches must be contiguous float32 or bfloat16")
+            if self.dtype == torch.bfloat16 and k.dtype != torch.bfloat16:
+                raise ValueError("decode stack: a bfloat16 model's caches must be bfloat16")
             if k.shape[2:] != (self.shape.num_kv_heads, self.shape.head_dim) or k.shape != v.shape:
                 raise ValueError(f"decode stack: a cache of shape {tuple(k.shape)} does not fit the model")
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
@@ -122,8 +131,8 @@ class DecodeStack:
     def run(
         self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the embedding [rows, hidden] float32 (overwritten) -> (the last layer's MLP
-        output, the residual stream), what the module path's layer loop returns."""
+        """x: the embedding [rows, hidden] in the model's dtype (overwritten) -> (the last
+        layer's MLP output, the residual stream), what the module path's layer loop returns."""
         decode = meta.decode
         assert isinstance(decode, NativeDecode)
         self._point_at(kv_caches)
@@ -153,6 +162,9 @@ def build_decode_stack(model: Transformer, kernels: NativeKernels) -> DecodeStac
         return None
 
     args = model.args
+    dtype = model.norm.weight.dtype  # the model's, and its activations'
+    if dtype not in (torch.float32, torch.bfloat16):
+        return no(f"{dtype} activations")
     if not isinstance(model.rotary, NativeRotary) or model.sliding_rotary is not None:
         return no("RoPE is not the native full rotation")
     layers: list[_Layer] = []
@@ -167,11 +179,11 @@ def build_decode_stack(model: Transformer, kernels: NativeKernels) -> DecodeStac
         if type(mlp) is not MLP or not mlp.act_fused:
             return no("an MLP without the fused SiLU-and-multiply")
         norms = (layer.input_norm, layer.post_attn_norm)
-        if not all(type(n) is NativeRMSNorm and n.weight.dtype == torch.float32 for n in norms):
+        if not all(type(n) is NativeRMSNorm and n.weight.dtype == dtype for n in norms):
             return no("a norm off the native kernel")
-        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(lin is None for lin in linears):
-            return no("a linear layer that is neither packed float32 nor quantized")
+            return no(f"a linear layer that is neither packed in {dtype} nor quantized (float32 only)")
         eps.update(n.eps for n in norms)
         scales.add(attn.scale)
         layers.append(
@@ -181,6 +193,6 @@ def build_decode_stack(model: Transformer, kernels: NativeKernels) -> DecodeStac
         return no("norms or attention scales differ between layers")
     shape = _Shape(
         args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, 0,  # block size: the caches'
-        model.rotary.cos_sin.shape[0], eps.pop(), scales.pop(),
+        model.rotary.cos_sin.shape[0], eps.pop(), scales.pop(), 0, DTYPE_CODES[dtype],
     )  # fmt: skip
     return DecodeStack(model, kernels, layers, shape)

@@ -30,8 +30,10 @@ def model_dir(tmp_path_factory):
     )
 
 
-def _runner(model_dir, quantization: str | None = None, max_model_len: int | None = None, **kwargs) -> ModelRunner:
-    return ModelRunner(str(model_dir), device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=256,
+def _runner(
+    model_dir, quantization: str | None = None, max_model_len: int | None = None, dtype: str = "float32", **kwargs
+) -> ModelRunner:
+    return ModelRunner(str(model_dir), device="cpu", dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=256,
                        kv_cache_bytes=None, max_model_len=max_model_len, quantization=quantization,
                        **kwargs)  # fmt: skip
 
@@ -42,10 +44,11 @@ def _hidden(runner: ModelRunner, batch: list[ScheduledRequest]) -> torch.Tensor:
         return runner.model(input_ids, positions, runner.kv_caches, meta)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4", "int4+a8", "+kv16", "int4+kv16"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "int4+a8", "+kv16", "int4+kv16", "+bf16"])
 def test_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(model_dir, quantization):
     """``+a8``: int8 activations; ``+kv16``: a bfloat16 KV cache (written by the stack in C,
-    by torch's copy on the layer path: the same rounding)."""
+    by torch's copy on the layer path: the same rounding); ``+bf16``: a bfloat16 model
+    (bfloat16 rows, panels and cache)."""
     weights, _, extra = (quantization or "").partition("+")
     kernels = load_kernels()
     if extra == "a8" and (kernels is None or not kernels.int8_dot_products):
@@ -55,8 +58,9 @@ def test_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(model_dir, quant
         weights or None,
         activation_quantization="int8" if extra == "a8" else "none",
         kv_cache_dtype="bfloat16" if extra == "kv16" else "auto",
+        dtype="bfloat16" if extra == "bf16" else "float32",
     )
-    assert runner.kv_caches[0][0].dtype == (torch.bfloat16 if extra == "kv16" else torch.float32)
+    assert runner.kv_caches[0][0].dtype == (torch.bfloat16 if extra in ("kv16", "bf16") else torch.float32)
     stack = runner.model.decode_stack
     assert stack is not None
     gen = torch.Generator().manual_seed(0)

@@ -21,10 +21,12 @@
  *   h = rms_norm(r += o) * w_post
  *   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T
  *
- * Float32 activations; caches float32 or bfloat16 (shape's kv_dtype: each K and V value
- * rounded to nearest even as it is written, as torch's copy into a bfloat16 cache rounds);
- * the linear layers may be packed float32/bfloat16 panels (gemm.c) or quantized ones
- * (quant.c), layer by layer.
+ * Float32 activations, with caches float32 or bfloat16 (shape's kv_dtype: each K and V
+ * value rounded to nearest even as it is written, as torch's copy into a bfloat16 cache
+ * rounds) and linear layers of packed float32 panels (gemm.c) or quantized ones (quant.c),
+ * layer by layer; or bfloat16 activations (shape's dtype: a bfloat16 model), with bfloat16
+ * caches and every linear layer packed in bfloat16 panels, each kernel called on bfloat16
+ * rows as the layers' Python path calls it (tk_gemm widening or pairing A in a workspace).
  */
 #include <stdint.h>
 #include <string.h>
@@ -76,6 +78,7 @@ typedef struct {
     int hidden, num_heads, num_kv_heads, head_dim, block_size, max_position;
     float eps, scale;
     int kv_dtype; /* TK_F32 or TK_BF16 */
+    int dtype;    /* the activations': TK_F32, or TK_BF16 (then kv_dtype too, and no layer quantized) */
 } tk_stack_shape;
 
 /* n values of a row at slot `slot` of a cache of dtype kv_dtype. */
@@ -116,31 +119,45 @@ int tk_write_kv(void *k_cache, void *v_cache, int cdtype, const void *k, const v
     return 0;
 }
 
-static int linear(const tk_linear *l, const float *x, int M, float *y, int threads) {
+/* y = x @ W^T for M rows of dtype `dtype` (x's and y's); ws: M * K floats for bfloat16 rows. */
+static int linear(const tk_linear *l, const void *x, int M, void *y, int dtype, float *ws, int threads) {
     if (l->quantized)
         return tk_qgemm(x, l->k, l->kind, l->w, l->scale, l->min, l->sdtype, l->group, l->bias, y, l->n, TK_F32, M,
                         l->n, l->k, l->epilogue, l->xquant, threads);
-    return tk_gemm(x, l->k, TK_F32, l->w, l->kind, l->bias, y, l->n, TK_F32, M, l->n, l->k, l->epilogue, NULL, NULL,
-                   threads);
+    return tk_gemm(x, l->k, dtype, l->w, l->kind, l->bias, y, l->n, dtype, M, l->n, l->k, l->epilogue,
+                   dtype == TK_BF16 ? ws : NULL, NULL, threads);
 }
 
 /* x [M, hidden]: the embedding in, the last layer's MLP output out; residual [M, hidden]:
- * the stream out (the caller norms residual + x). positions, slots: [M] int64; block_table
- * [M, table_stride] and ctx_lens [M] int32. ws: float32 workspace of at least
- * M * (hidden + qkv + heads * head_dim + intermediate) floats. Returns 0, or 100 * (layer +
- * 1) + the failing kernel's code. */
-int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape *s, float *x, float *residual,
+ * the stream out (the caller norms residual + x); both of the shape's dtype. positions,
+ * slots: [M] int64; block_table [M, table_stride] and ctx_lens [M] int32. ws: float32
+ * workspace of at least M * (hidden + qkv + heads * head_dim + intermediate) floats, and
+ * for bfloat16 activations M * max(hidden, heads * head_dim, intermediate) more. Returns
+ * 0, or 100 * (layer + 1) + the failing kernel's code. */
+int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape *s, void *x, void *residual,
                     const int64_t *positions, const int64_t *slots, const int32_t *block_table, int table_stride,
                     const int32_t *ctx_lens, int max_ctx_len, const float *cos_sin, float *ws, int M,
                     int num_threads) {
     if (M <= 0 || num_layers <= 0) return M < 0 ? 2 : 0;
     if (s->kv_dtype != TK_F32 && s->kv_dtype != TK_BF16) return 2;
+    const int dt = s->dtype, bf = dt == TK_BF16;
+    if (dt != TK_F32 && !(bf && s->kv_dtype == TK_BF16)) return 2;
     const int hd = s->head_dim, nh = s->num_heads, nkv = s->num_kv_heads;
     const int qkv_n = (nh + 2 * nkv) * hd, kv_width = nkv * hd;
-    for (int l = 0; l < num_layers; l++)
-        if (layers[l].qkv.n != qkv_n || layers[l].o.k != nh * hd || layers[l].gate_up.n != layers[l].down.k)
-            return 100 * (l + 1) + 2;
-    float *h = ws, *qkv = h + (size_t)M * s->hidden, *attn = qkv + (size_t)M * qkv_n, *gu = attn + (size_t)M * nh * hd;
+    int max_k = s->hidden > nh * hd ? s->hidden : nh * hd;
+    for (int l = 0; l < num_layers; l++) {
+        const tk_layer *L = &layers[l];
+        if (L->qkv.n != qkv_n || L->o.k != nh * hd || L->gate_up.n != L->down.k) return 100 * (l + 1) + 2;
+        if (bf && (L->qkv.quantized | L->o.quantized | L->gate_up.quantized | L->down.quantized))
+            return 100 * (l + 1) + 2; /* tk_qgemm takes float32 rows */
+        if (L->down.k > max_k) max_k = L->down.k;
+    }
+    /* bfloat16: tk_gemm's workspace first, then the activations at 2 bytes each */
+    float *gemm_ws = ws;
+    char *buf = (char *)(bf ? ws + (size_t)M * max_k : ws);
+    const size_t e = bf ? 2 : 4;
+    char *h = buf, *qkv = h + (size_t)M * s->hidden * e, *attn = qkv + (size_t)M * qkv_n * e;
+    char *gu = attn + (size_t)M * nh * hd * e;
     for (int l = 0; l < num_layers; l++) {
         const tk_layer *L = &layers[l];
         int rc;
@@ -149,24 +166,30 @@ int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape
         if ((rc = (call)) != 0) return 100 * (l + 1) + rc; \
     } while (0)
         if (l == 0) {
-            memcpy(residual, x, sizeof(float) * (size_t)M * s->hidden);
-            RUN(tk_rms_norm(h, NULL, x, L->in_norm, M, s->hidden, s->eps, TK_F32, num_threads));
+            memcpy(residual, x, e * (size_t)M * s->hidden);
+            RUN(tk_rms_norm(h, NULL, x, L->in_norm, M, s->hidden, s->eps, dt, num_threads));
         } else {
-            RUN(tk_rms_norm(h, residual, x, L->in_norm, M, s->hidden, s->eps, TK_F32, num_threads));
+            RUN(tk_rms_norm(h, residual, x, L->in_norm, M, s->hidden, s->eps, dt, num_threads));
         }
-        RUN(linear(&L->qkv, h, M, qkv, num_threads));
-        RUN(tk_rope(qkv, qkv_n, positions, cos_sin, s->max_position, M, nh + nkv, hd, TK_F32, num_threads));
+        RUN(linear(&L->qkv, h, M, qkv, dt, gemm_ws, num_threads));
+        RUN(tk_rope(qkv, qkv_n, positions, cos_sin, s->max_position, M, nh + nkv, hd, dt, num_threads));
         for (int r = 0; r < M; r++) {
-            const float *row = qkv + (size_t)r * qkv_n;
-            write_kv_row(L->k_cache, slots[r], row + (size_t)nh * hd, kv_width, s->kv_dtype);
-            write_kv_row(L->v_cache, slots[r], row + (size_t)(nh + nkv) * hd, kv_width, s->kv_dtype);
+            const char *row = qkv + (size_t)r * qkv_n * e;
+            if (bf) { /* bfloat16 rows into a bfloat16 cache: as they are */
+                memcpy((bf16 *)L->k_cache + (size_t)slots[r] * kv_width, row + (size_t)nh * hd * e, e * kv_width);
+                memcpy((bf16 *)L->v_cache + (size_t)slots[r] * kv_width, row + (size_t)(nh + nkv) * hd * e,
+                       e * kv_width);
+                continue;
+            }
+            write_kv_row(L->k_cache, slots[r], (const float *)row + (size_t)nh * hd, kv_width, s->kv_dtype);
+            write_kv_row(L->v_cache, slots[r], (const float *)row + (size_t)(nh + nkv) * hd, kv_width, s->kv_dtype);
         }
         RUN(tk_decode_attention(attn, qkv, qkv_n, L->k_cache, L->v_cache, block_table, ctx_lens, M, nh, nkv, hd,
-                                s->block_size, table_stride, max_ctx_len, s->scale, TK_F32, s->kv_dtype, num_threads));
-        RUN(linear(&L->o, attn, M, x, num_threads));
-        RUN(tk_rms_norm(h, residual, x, L->post_norm, M, s->hidden, s->eps, TK_F32, num_threads));
-        RUN(linear(&L->gate_up, h, M, gu, num_threads));
-        RUN(linear(&L->down, gu, M, x, num_threads));
+                                s->block_size, table_stride, max_ctx_len, s->scale, dt, s->kv_dtype, num_threads));
+        RUN(linear(&L->o, attn, M, x, dt, gemm_ws, num_threads));
+        RUN(tk_rms_norm(h, residual, x, L->post_norm, M, s->hidden, s->eps, dt, num_threads));
+        RUN(linear(&L->gate_up, h, M, gu, dt, gemm_ws, num_threads));
+        RUN(linear(&L->down, gu, M, x, dt, gemm_ws, num_threads));
 #undef RUN
     }
     return 0;
