@@ -61,6 +61,8 @@ def test_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(model_dir, quant
         dtype="bfloat16" if extra == "bf16" else "float32",
     )
     assert runner.kv_caches[0][0].dtype == (torch.bfloat16 if extra in ("kv16", "bf16") else torch.float32)
+    if extra == "bf16" and runner.matmuls != "native":
+        pytest.skip(f"bfloat16 matmuls run on {runner.matmuls} here (no bfloat16 dot products in this build)")
     stack = runner.model.decode_stack
     assert stack is not None
     gen = torch.Generator().manual_seed(0)
