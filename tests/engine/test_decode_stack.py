@@ -103,10 +103,13 @@ def test_steps_with_prefill_rows_take_the_layer_by_layer_path(model_dir):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_other_llama_shaped_families_take_it_exactly(tmp_path, arch):
+def test_other_llama_shaped_families_take_it_exactly(tmp_path, arch, dtype):
     """qkv biases (Qwen2), Mistral: the same bits both ways."""
-    runner = _runner(make_model_dir(tmp_path / arch, arch=arch))
+    runner = _runner(make_model_dir(tmp_path / arch, arch=arch), dtype=dtype)
+    if runner.matmuls != "native":
+        pytest.skip(f"{dtype} matmuls run on {runner.matmuls} here")
     stack = runner.model.decode_stack
     assert stack is not None
     r = Request("a", list(range(3, 40)), GREEDY)
