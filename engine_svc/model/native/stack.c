@@ -81,13 +81,17 @@ typedef struct {
     int dtype;    /* the activations': TK_F32, or TK_BF16 (then kv_dtype too, and no layer quantized) */
 } tk_stack_shape;
 
-/* n values of a row at slot `slot` of a cache of dtype kv_dtype. */
-static void write_kv_row(void *cache, int64_t slot, const float *row, int n, int kv_dtype) {
-    if (kv_dtype == TK_BF16) {
+/* n values of a row (dtype sdtype) into slot `slot` of a cache of dtype kv_dtype: bfloat16
+ * rows as they are (the cache is then bfloat16 too), float32 rows copied or rounded. */
+static void write_kv_row(void *cache, int64_t slot, const void *row, int sdtype, int n, int kv_dtype) {
+    if (sdtype == TK_BF16) {
+        memcpy((bf16 *)cache + (size_t)slot * n, row, 2 * (size_t)n);
+    } else if (kv_dtype == TK_BF16) {
+        const float *src = row;
         bf16 *dst = (bf16 *)cache + (size_t)slot * n;
         int i = 0;
-        for (; i + TK_VL <= n; i += TK_VL) vstore_bf16(dst + i, vload(row + i));
-        for (; i < n; i++) dst[i] = f32_to_bf16(row[i]);
+        for (; i + TK_VL <= n; i += TK_VL) vstore_bf16(dst + i, vload(src + i));
+        for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
     } else {
         memcpy((float *)cache + (size_t)slot * n, row, sizeof(float) * n);
     }
@@ -107,14 +111,8 @@ int tk_write_kv(void *k_cache, void *v_cache, int cdtype, const void *k, const v
     const size_t se = sdtype == TK_BF16 ? 2 : 4;
 #pragma omp parallel for num_threads(rows >= 256 ? num_threads : 1) schedule(static)
     for (int i = 0; i < rows; i++) {
-        const char *kr = (const char *)k + (size_t)i * stride * se, *vr = (const char *)v + (size_t)i * stride * se;
-        if (sdtype == TK_BF16) { /* a bfloat16 cache beside bfloat16 rows: as they are */
-            memcpy((bf16 *)k_cache + (size_t)slots[i] * width, kr, 2 * (size_t)width);
-            memcpy((bf16 *)v_cache + (size_t)slots[i] * width, vr, 2 * (size_t)width);
-        } else {
-            write_kv_row(k_cache, slots[i], (const float *)kr, width, cdtype);
-            write_kv_row(v_cache, slots[i], (const float *)vr, width, cdtype);
-        }
+        write_kv_row(k_cache, slots[i], (const char *)k + (size_t)i * stride * se, sdtype, width, cdtype);
+        write_kv_row(v_cache, slots[i], (const char *)v + (size_t)i * stride * se, sdtype, width, cdtype);
     }
     return 0;
 }
@@ -175,14 +173,8 @@ int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape
         RUN(tk_rope(qkv, qkv_n, positions, cos_sin, s->max_position, M, nh + nkv, hd, dt, num_threads));
         for (int r = 0; r < M; r++) {
             const char *row = qkv + (size_t)r * qkv_n * e;
-            if (bf) { /* bfloat16 rows into a bfloat16 cache: as they are */
-                memcpy((bf16 *)L->k_cache + (size_t)slots[r] * kv_width, row + (size_t)nh * hd * e, e * kv_width);
-                memcpy((bf16 *)L->v_cache + (size_t)slots[r] * kv_width, row + (size_t)(nh + nkv) * hd * e,
-                       e * kv_width);
-                continue;
-            }
-            write_kv_row(L->k_cache, slots[r], (const float *)row + (size_t)nh * hd, kv_width, s->kv_dtype);
-            write_kv_row(L->v_cache, slots[r], (const float *)row + (size_t)(nh + nkv) * hd, kv_width, s->kv_dtype);
+            write_kv_row(L->k_cache, slots[r], row + (size_t)nh * hd * e, dt, kv_width, s->kv_dtype);
+            write_kv_row(L->v_cache, slots[r], row + (size_t)(nh + nkv) * hd * e, dt, kv_width, s->kv_dtype);
         }
         RUN(tk_decode_attention(attn, qkv, qkv_n, L->k_cache, L->v_cache, block_table, ctx_lens, M, nh, nkv, hd,
                                 s->block_size, table_stride, max_ctx_len, s->scale, dt, s->kv_dtype, num_threads));
