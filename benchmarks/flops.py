@@ -2,6 +2,7 @@
 
     workload_flops(shape, workload)  -> FLOPs an ideal engine must spend (prefix hits excluded)
     matmul_peak(dtype)               -> the fastest matmul this machine runs for the dtype
+    memory_read_rate()               -> GB/s this machine reads from memory
     ceiling(...)                     -> output tokens/s if every FLOP ran at that peak
 
 Counted FLOPs (one multiply-add = 2): the linear layers of every layer (q/k/v, o, gate/up,
@@ -127,7 +128,8 @@ def workload_flops(shape: ModelShape, workload: list[dict], block_size: int = BL
 # -- the machine's peak -------------------------------------------------------------------
 
 
-def _best_gflops(fn, flops: int, repeats: int) -> float:
+def _best_rate(fn, amount: int, repeats: int) -> float:
+    """``amount`` (FLOPs, bytes) per second of ``fn``'s fastest run, in billions."""
     fn()
     fn()
     best = float("inf")
@@ -135,7 +137,7 @@ def _best_gflops(fn, flops: int, repeats: int) -> float:
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
-    return flops / best / 1e9
+    return amount / best / 1e9
 
 
 def matmul_peak(dtype: str, shape: ModelShape | None = None, repeats: int = 7) -> dict:
@@ -161,16 +163,27 @@ def matmul_peak(dtype: str, shape: ModelShape | None = None, repeats: int = 7) -
             a, w = torch.randn(m, k, generator=g).to(dt), torch.randn(n, k, generator=g).to(dt)
             name = f"{str(dt).removeprefix('torch.')} {m}x{k}x{n}"
             flops = 2 * m * k * n
-            results[f"{name} F.linear"] = _best_gflops(lambda a=a, w=w: F.linear(a, w), flops, repeats)
+            results[f"{name} F.linear"] = _best_rate(lambda a=a, w=w: F.linear(a, w), flops, repeats)
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-                results[f"{name} packed"] = _best_gflops(
+                results[f"{name} packed"] = _best_rate(
                     lambda a=a, p=packed: torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], ""), flops, repeats
                 )
             except (RuntimeError, AttributeError, NotImplementedError):
                 pass
     best = max(results, key=results.__getitem__)
     return {"gflops": results[best], "best": best, "cases": results, "threads": torch.get_num_threads()}
+
+
+def memory_read_rate(nbytes: int = 512 << 20, repeats: int = 7) -> dict:
+    """GB/s this machine reads from memory, measured now: a float32 sum over ``nbytes``
+    (far beyond the caches) on torch's threads, read front to back, the fastest of
+    ``repeats`` runs. A decode step's K/V is read block by block from anywhere in the pool,
+    which a machine reads at most this fast."""
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    return {"gbps": _best_rate(x.sum, nbytes, repeats), "bytes": nbytes, "threads": torch.get_num_threads()}
 
 
 def ceiling(flops: dict, peak_gflops: float) -> dict:
@@ -263,6 +276,8 @@ class StepRecorder:
                 "ms_per_step": 1000 * seconds / len(steps) if steps else 0.0,
                 "attention_share": attention / flops if flops else 0.0,
                 "context_tokens": attention // per_context_token,
+                "gemm_flops": flops - attention,
+                "attention_flops": attention,
             }
 
         decode = [s for s in self.steps if not s.num_prefill_tokens]
@@ -274,10 +289,35 @@ class StepRecorder:
         }
 
 
-def decode_line(phases: dict, shape: ModelShape, peak_gflops: float, kv_bytes: int) -> str:
+def phase_bound_s(
+    p: dict, shape: ModelShape, peak_gflops: float, read_gbps: float, kv_bytes: int, weight_bytes: int
+) -> float:
+    """The least time the steps of a phase of ``StepRecorder.summary()`` take with the parts
+    of a layer in sequence, as the engine runs them: the linear layers and the LM head at
+    the matmul peak, or their weights (weight_bytes an element) read at read_gbps where that
+    takes longer; then the attention at the peak, or its K/V (kv_bytes an element) read at
+    read_gbps where that takes longer. Summed over the phase's steps before the maxima are
+    taken, so it is a lower bound on the sum of the steps' own."""
+    weights = (shape.linear_flops_per_token + shape.lm_head_flops_per_row) // 2 * weight_bytes
+    kv = p["context_tokens"] * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
+    peak, rate = peak_gflops * 1e9, read_gbps * 1e9
+    gemm = max(p["gemm_flops"] / peak, p["num_steps"] * weights / rate)
+    return gemm + max(p["attention_flops"] / peak, kv / rate)
+
+
+def decode_line(
+    phases: dict,
+    shape: ModelShape,
+    peak_gflops: float,
+    kv_bytes: int,
+    read_gbps: float | None = None,
+    weight_bytes: int | None = None,
+) -> str:
     """One line on the decode-only steps of ``StepRecorder.summary()``: their FLOP/s as a
     share of the peak, all of them and those of 32+ rows, and the K/V their attention read
-    (kv_bytes: bytes of one cached key or value element)."""
+    (kv_bytes: bytes of one cached key or value element); with the memory's read rate and
+    the weights' element size, also their bound (``phase_bound_s``): what share of the peak
+    such steps reach at most, and how close to it they came."""
     per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
     parts = []
     for key, label in (("decode_steps", "decode-only steps"), ("decode_steps_32_rows", "with 32+ rows")):
@@ -286,8 +326,16 @@ def decode_line(phases: dict, shape: ModelShape, peak_gflops: float, kv_bytes: i
             parts.append(f"{label}: none")
             continue
         gb = p["context_tokens"] * per_token / 1e9
-        parts.append(
+        part = (
             f"{label}: {p['num_steps']} at {p['gflops']:.1f} GFLOP/s ({p['gflops'] / peak_gflops:.0%} of the peak),"
             f" {p['ms_per_step']:.1f} ms each, K/V read {gb:.1f} GB, {gb / p['seconds']:.1f} GB/s over their time"
         )
+        if read_gbps and weight_bytes:
+            bound = phase_bound_s(p, shape, peak_gflops, read_gbps, kv_bytes, weight_bytes)
+            most = (p["gemm_flops"] + p["attention_flops"]) / bound / 1e9 / peak_gflops
+            part += (
+                f", bound {1000 * bound / p['num_steps']:.1f} ms each ({most:.0%} of the peak at most;"
+                f" these steps at {bound / p['seconds']:.0%} of the bound)"
+            )
+        parts.append(part)
     return "; ".join(parts)

@@ -23,7 +23,15 @@ from pathlib import Path
 import torch
 import torch.profiler
 
-from benchmarks.flops import ModelShape, StepRecorder, ceiling, decode_line, matmul_peak, workload_flops
+from benchmarks.flops import (
+    ModelShape,
+    StepRecorder,
+    ceiling,
+    decode_line,
+    matmul_peak,
+    memory_read_rate,
+    workload_flops,
+)
 from benchmarks.workloads import load
 
 
@@ -116,6 +124,7 @@ def run(args) -> dict:
     flops = workload_flops(shape, workload)
     torch.set_num_threads(num_threads)  # at every core: the engine's thread governor may have left fewer
     peak = matmul_peak(args.dtype, shape)
+    memory = memory_read_rate()
     report = {
         "model": args.model,
         "workload": args.workload,
@@ -129,7 +138,9 @@ def run(args) -> dict:
         "peak": peak,
         "ceiling": ceiling(flops, peak["gflops"]),
         "phases": recorder.summary(),
+        "memory": memory,
         "kv_element_bytes": core.runner.kv_caches[0][0].element_size(),
+        "weight_element_bytes": torch.empty((), dtype=core.runner.dtype).element_size(),
         "op_tables": tables,
     }
     report["ceiling_fraction"] = report["output_tok_per_s"] / report["ceiling"]["output_tok_per_s"]
@@ -166,7 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     brief = {k: v for k, v in report.items() if k != "op_tables"}
     print(json.dumps(brief, indent=2))
     shape = ModelShape.from_model_dir(args.model)
-    print(decode_line(report["phases"], shape, report["peak"]["gflops"], report["kv_element_bytes"]))
+    print(
+        decode_line(
+            report["phases"],
+            shape,
+            report["peak"]["gflops"],
+            report["kv_element_bytes"],
+            report["memory"]["gbps"],
+            report["weight_element_bytes"],
+        )
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -35,7 +35,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.flops import ModelShape, StepRecorder, ceiling, decode_line, matmul_peak, workload_flops
+from benchmarks.flops import (
+    ModelShape,
+    StepRecorder,
+    ceiling,
+    decode_line,
+    matmul_peak,
+    memory_read_rate,
+    workload_flops,
+)
 from benchmarks.workloads import load
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -190,6 +198,7 @@ def run_tandem(args, workload: list[dict], shape: ModelShape) -> dict:
         "kernels": runner.kernels.isa if runner.kernels else None,
         "matmuls": runner.matmuls,
         "kv_element_bytes": runner.kv_caches[0][0].element_size(),
+        "weight_element_bytes": torch.empty((), dtype=runner.dtype).element_size(),
         "engine_args": args.tandem_arg,
         "num_requests": len(workload),
         "num_output_tokens": num_output,
@@ -247,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     # At every core: the engine's thread governor may have left torch on fewer.
     torch.set_num_threads(num_threads)
     peak = matmul_peak(args.dtype, shape)
+    memory = memory_read_rate()
     ceil = ceiling(flops, peak["gflops"])
-    report.update(flops=flops, peak=peak, ceiling=ceil)
+    report.update(flops=flops, peak=peak, memory=memory, ceiling=ceil)
     for side in ("vllm", "tandem"):
         if side in report:
             r = report[side]
@@ -269,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         line += "met)" if report["result"]["target_met"] else "not met)"
     print(line)
     tandem_run = report["tandem"]
-    print("tandem " + decode_line(tandem_run["phases"], shape, peak["gflops"], tandem_run["kv_element_bytes"]))
+    kv_bytes, weight_bytes = tandem_run["kv_element_bytes"], tandem_run["weight_element_bytes"]
+    print("tandem " + decode_line(tandem_run["phases"], shape, peak["gflops"], kv_bytes, memory["gbps"], weight_bytes))
     for side in ("vllm", "tandem"):
         if side in report:
             report[side].pop("output_token_ids", None)

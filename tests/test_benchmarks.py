@@ -395,7 +395,15 @@ def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_loads_with_int8_activations
 def test_step_recorder_counts_the_flops_of_the_workload(demo_model_dir):
     """Chunked prefills and decode rows, summed step by step, make the workload's FLOPs: a
     chunk is counted from where it starts, read before the step moves the request on."""
-    from benchmarks.flops import ModelShape, StepRecorder, decode_line, workload_flops
+    from benchmarks.flops import (
+        ModelShape,
+        StepRecorder,
+        decode_line,
+        matmul_peak,
+        memory_read_rate,
+        phase_bound_s,
+        workload_flops,
+    )
     from engine_svc.config import EngineConfig, build_parser
     from engine_svc.core import EngineCore
     from engine_svc.types import SamplingParams
@@ -429,3 +437,21 @@ def test_step_recorder_counts_the_flops_of_the_workload(demo_model_dir):
     assert "with 32+ rows: none" in line
     gb = decode["context_tokens"] * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4 / 1e9
     assert f"K/V read {gb:.1f} GB" in line
+    decode_steps = [s for s in recorder.steps if not s.num_prefill_tokens]
+    assert decode["attention_flops"] == sum(s.attention for s in decode_steps)
+    assert decode["gemm_flops"] == sum(s.linear + s.lm_head for s in decode_steps)
+    # The bound: its GEMM part the larger of FLOPs at the peak and weights at the read rate,
+    # its attention part the larger of FLOPs at the peak and K/V at the read rate.
+    weights = (shape.linear_flops_per_token + shape.lm_head_flops_per_row) // 2 * 4
+    slow_memory = phase_bound_s(decode, shape, 1e6, 1e-3, 4, 4)  # memory-bound: bytes / rate
+    assert slow_memory == pytest.approx((decode["num_steps"] * weights + gb * 1e9) / 1e6)
+    slow_matmul = phase_bound_s(decode, shape, 1e-3, 1e6, 4, 4)  # FLOP-bound: FLOPs / peak
+    assert slow_matmul == pytest.approx((decode["gemm_flops"] + decode["attention_flops"]) / 1e6)
+    # With this machine's peak and read rate, measured now, the steps took no less than their bound.
+    peak, memory = matmul_peak("float32", repeats=2), memory_read_rate(64 << 20, repeats=3)
+    assert memory["gbps"] > 0
+    bound = phase_bound_s(decode, shape, peak["gflops"], memory["gbps"], 4, 4)
+    assert 0 < bound < decode["seconds"]
+    line = decode_line(phases, shape, peak["gflops"], 4, memory["gbps"], 4)
+    assert f"bound {1000 * bound / decode['num_steps']:.1f} ms each" in line
+    assert f"these steps at {bound / decode['seconds']:.0%} of the bound" in line
