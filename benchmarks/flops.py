@@ -297,7 +297,8 @@ def phase_bound_s(
     the matmul peak, or their weights (weight_bytes an element) read at read_gbps where that
     takes longer; then the attention at the peak, or its K/V (kv_bytes an element) read at
     read_gbps where that takes longer. Summed over the phase's steps before the maxima are
-    taken, so it is a lower bound on the sum of the steps' own."""
+    taken, so it is a lower bound on the sum of the steps' own, for a model whose weights
+    and K/V come from memory each step (a model that fits in the caches can beat it)."""
     weights = (shape.linear_flops_per_token + shape.lm_head_flops_per_row) // 2 * weight_bytes
     kv = p["context_tokens"] * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
     peak, rate = peak_gflops * 1e9, read_gbps * 1e9

@@ -112,10 +112,15 @@ async def test_gauges_follow_a_cancel_a_stop_string_and_a_deadline(pair_with_met
         await until(lambda: finished(url, "stop") == stops + 1, SETTLE_S, "the stop-string finish never counted")
         assert finished(url, "abort") == aborts
 
-        # The client's deadline passes mid-generation.
+        # The client's deadline passes mid-generation: a third of what the whole generation
+        # takes here (a fixed deadline can outlast it on a fast machine).
+        t0 = time.monotonic()
+        await generate(stub, text="Once upon a time", params=LONG)
+        whole = time.monotonic() - t0
+        await wait_settled(url)
         aborts = finished(url, "abort")
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await generate(stub, text="Once upon a time", params=LONG, timeout=1.0)
+            await generate(stub, text="Once upon a time", params=LONG, timeout=whole / 3)
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_settled(url)
         assert finished(url, "abort") == aborts + 1
