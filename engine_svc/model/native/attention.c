@@ -17,9 +17,10 @@
  * tokens. A row walks its blocks in spans of up to 16 tokens, each read front to back (a
  * block holds every KV head of block_size tokens contiguously), scores for the whole context go to a per-thread
  * buffer, then an exact softmax, then the weighted sum of V, the query heads of a KV
- * group together (each value vector loaded once for them). Rows are split across threads,
- * one at a time; a row's sums are all one thread's. Every cached key and value of the
- * step is read once.
+ * group together (each value vector loaded once for them). Threads take rows one at a
+ * time from a counter, the next before running the one in hand, and request its first
+ * span while the one in hand ends; a row's sums are all one thread's. Every cached key and
+ * value of the step is read once.
  *
  * Prefill: attention_prefill.c.
  */
@@ -215,19 +216,23 @@ static inline size_t span_at(const int32_t *table, int t, int len, int block_siz
 
 /* One decode row. qf: the row's query heads in float32, pre-scaled; of: float32 output;
  * scores [heads][len]. Span by span, every head reads the span while it is in L1, and the
- * next span is requested while this one is worked on. */
+ * next span is requested while this one is worked on: the K pass's last span requests the
+ * V pass's first, and the V pass's last requests `after` (the first K span of the row this
+ * thread takes next, or NULL), so that neither pass nor row starts on a cold span. */
 static inline __attribute__((always_inline)) void decode_row(float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table,
                        int len, int num_heads, int group, int head_dim, int block_size,
-                       size_t token_stride, size_t elem, int dtype, float *scores) {
+                       size_t token_stride, size_t elem, int dtype, float *scores, const char *after) {
     const int vec = head_dim % TK_VL == 0;
     const int num_kv_heads = num_heads / group;
     const size_t lines = ((size_t)(block_size < SPAN ? block_size : SPAN) * token_stride * elem + 63) / 64;
     const size_t k_chunk = (lines + num_heads - 1) / num_heads, v_chunk = (lines + num_kv_heads - 1) / num_kv_heads;
     int n, n_next = 0;
-    size_t kb = span_at(table, 0, len, block_size, token_stride, &n);
+    const size_t first = span_at(table, 0, len, block_size, token_stride, &n);
+    size_t kb = first;
     for (int t0 = 0; t0 < len; t0 += n, n = n_next) {
-        const size_t next = t0 + n < len ? span_at(table, t0 + n, len, block_size, token_stride, &n_next) : kb;
-        const char *k_next = k_cache + next * elem;
+        const int more = t0 + n < len;
+        const size_t next = more ? span_at(table, t0 + n, len, block_size, token_stride, &n_next) : kb;
+        const char *k_next = more ? k_cache + next * elem : v_cache + first * elem;
         for (int h = 0; h < num_heads; h++) {
             prefetch_part(k_next, lines, k_chunk, h);
             const float *qh = qf + (size_t)h * head_dim;
@@ -248,10 +253,11 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
     memset(of, 0, sizeof(float) * (size_t)num_heads * head_dim);
     size_t vb = span_at(table, 0, len, block_size, token_stride, &n), v_next_off;
     for (int t0 = 0; t0 < len; t0 += n, n = n_next, vb = v_next_off) {
-        v_next_off = t0 + n < len ? span_at(table, t0 + n, len, block_size, token_stride, &n_next) : vb;
-        const char *v_next = v_cache + v_next_off * elem;
+        const int more = t0 + n < len;
+        v_next_off = more ? span_at(table, t0 + n, len, block_size, token_stride, &n_next) : vb;
+        const char *v_next = more ? v_cache + v_next_off * elem : after;
         for (int g = 0; g < num_kv_heads; g++) { /* the group of query heads that read KV head g */
-            prefetch_part(v_next, lines, v_chunk, g);
+            if (v_next != NULL) prefetch_part(v_next, lines, v_chunk, g);
             const size_t voff = vb + (size_t)g * head_dim;
             for (int h = g * group; h < (g + 1) * group;) {
                 const float *ph = scores + (size_t)h * len + t0;
@@ -287,7 +293,7 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
     const int group = num_heads / num_kv_heads;
     const size_t token_stride = (size_t)num_kv_heads * head_dim, elem = kv_dtype == TK_BF16 ? 2 : 4;
     const size_t row_elems = (size_t)num_heads * head_dim;
-    int failed = 0;
+    int failed = 0, next_row = 0;
     int threads = num_rows < num_threads ? num_rows : num_threads;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
@@ -298,24 +304,39 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
             failed = 1;
         }
         float *qf = scores + (size_t)num_heads * (max_ctx_len > 0 ? max_ctx_len : 1), *of = qf + row_elems;
-#pragma omp for schedule(dynamic, 1)
-        for (int row = 0; row < num_rows; row++) {
-            if (scores == NULL) continue;
+        /* Rows from one counter, each taken before the one in hand is run, so its first
+         * span can be requested while the one in hand ends. */
+        int row;
+#pragma omp atomic capture
+        row = next_row++;
+        while (row < num_rows) {
+            int row_after;
+#pragma omp atomic capture
+            row_after = next_row++;
+            const char *after = NULL;
+            if (row_after < num_rows && ctx_lens[row_after] > 0 && max_ctx_len > 0)
+                after = (const char *)k_cache +
+                        (size_t)block_table[(size_t)row_after * table_stride] * block_size * token_stride * elem;
+            if (scores == NULL) {
+                row = row_after;
+                continue;
+            }
             const int len = ctx_lens[row] > 0 ? (ctx_lens[row] < max_ctx_len ? ctx_lens[row] : max_ctx_len) : 0;
             for (size_t i = 0; i < row_elems; i++) qf[i] = scale * load_any(q, (size_t)row * q_row_stride + i, dtype);
             const int32_t *table = block_table + (size_t)row * table_stride;
             /* one copy of the row loop per cache dtype, so no load tests the dtype */
             if (len > 0 && kv_dtype == TK_BF16)
                 decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group,
-                           head_dim, block_size, token_stride, elem, TK_BF16, scores);
+                           head_dim, block_size, token_stride, elem, TK_BF16, scores, after);
             else if (len > 0)
                 decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group,
-                           head_dim, block_size, token_stride, elem, TK_F32, scores);
+                           head_dim, block_size, token_stride, elem, TK_F32, scores, after);
             else
                 memset(of, 0, sizeof(float) * row_elems);
             size_t i = 0;
             for (; i + TK_VL <= row_elems; i += TK_VL) vstore_any(out, (size_t)row * row_elems + i, vload(of + i), dtype);
             for (; i < row_elems; i++) store_any(out, (size_t)row * row_elems + i, of[i], dtype);
+            row = row_after;
         }
         free(scores);
     }
