@@ -68,6 +68,10 @@ class ModelShape:
     def lm_head_flops_per_row(self) -> int:
         return 2 * self.hidden_size * self.vocab_size
 
+    def kv_bytes_per_context_token(self, element_bytes: int) -> int:
+        """Bytes of the K and V of one cached token, every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
     def attention_flops(self, start: int, num_tokens: int) -> int:
         """Tokens at positions start .. start + num_tokens - 1, each attending to itself and
         every earlier position: q.k and p.v, 2 FLOPs per multiply-add each."""
@@ -300,7 +304,7 @@ def phase_bound_s(
     taken, so it is a lower bound on the sum of the steps' own, for a model whose weights
     and K/V come from memory each step (a model that fits in the caches can beat it)."""
     weights = (shape.linear_flops_per_token + shape.lm_head_flops_per_row) // 2 * weight_bytes
-    kv = p["context_tokens"] * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
+    kv = p["context_tokens"] * shape.kv_bytes_per_context_token(kv_bytes)
     peak, rate = peak_gflops * 1e9, read_gbps * 1e9
     gemm = max(p["gemm_flops"] / peak, p["num_steps"] * weights / rate)
     return gemm + max(p["attention_flops"] / peak, kv / rate)
@@ -319,7 +323,7 @@ def decode_line(
     (kv_bytes: bytes of one cached key or value element); with the memory's read rate and
     the weights' element size, also their bound (``phase_bound_s``): what share of the peak
     such steps reach at most, and how close to it they came."""
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
+    per_token = shape.kv_bytes_per_context_token(kv_bytes)
     parts = []
     for key, label in (("decode_steps", "decode-only steps"), ("decode_steps_32_rows", "with 32+ rows")):
         p = phases[key]

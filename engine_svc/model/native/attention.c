@@ -309,18 +309,14 @@ int tk_decode_attention(void *out, const void *q, long q_row_stride, const void 
         int row;
 #pragma omp atomic capture
         row = next_row++;
-        while (row < num_rows) {
-            int row_after;
+        while (scores != NULL && row < num_rows) {
+            int row_after, n;
 #pragma omp atomic capture
             row_after = next_row++;
             const char *after = NULL;
             if (row_after < num_rows && ctx_lens[row_after] > 0 && max_ctx_len > 0)
-                after = (const char *)k_cache +
-                        (size_t)block_table[(size_t)row_after * table_stride] * block_size * token_stride * elem;
-            if (scores == NULL) {
-                row = row_after;
-                continue;
-            }
+                after = (const char *)k_cache + span_at(block_table + (size_t)row_after * table_stride, 0, 1, block_size,
+                                                        token_stride, &n) * elem;
             const int len = ctx_lens[row] > 0 ? (ctx_lens[row] < max_ctx_len ? ctx_lens[row] : max_ctx_len) : 0;
             for (size_t i = 0; i < row_elems; i++) qf[i] = scale * load_any(q, (size_t)row * q_row_stride + i, dtype);
             const int32_t *table = block_table + (size_t)row * table_stride;
