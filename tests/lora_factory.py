@@ -24,6 +24,8 @@ def make_adapter(
     use_rslora: bool = False,
     seed: int = 0,
     b_scale: float = 8.0,
+    rank_pattern: dict | None = None,
+    alpha_pattern: dict | None = None,
 ) -> Path:
     """Write a PEFT adapter for the model in ``model_dir`` into ``out_dir``; returns it."""
     import peft
@@ -36,6 +38,8 @@ def make_adapter(
         lora_alpha=alpha,
         target_modules=list(targets),
         use_rslora=use_rslora,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
         init_lora_weights=False,
         task_type="CAUSAL_LM",
     )

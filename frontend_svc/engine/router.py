@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from frontend_svc.engine.client import DEFAULT_PROGRESS_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, EngineClient
+from frontend_svc.engine.fresh_rounds import FreshRounds
 from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.routing import (
     DEFAULT_LOAD_THRESHOLD_TOKENS,
@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 # block of 16 costs 1-2 us here (4096 tokens about 0.3 ms, 32k tokens about 3 ms), and the
 # event loop serves every other call and stream meanwhile.
 HASH_OFF_LOOP_TOKENS = 4096
-LORA_REFRESH_S = 1.0  # an unknown adapter name asks the engines again at most this often
 
 
 class PromptBlocks:
@@ -122,7 +121,9 @@ class EngineRouter:
         self._connected = asyncio.Event()
         self._refresh_task: asyncio.Task | None = None
         self._retire_tasks: set[asyncio.Task] = set()
-        self._lora_refreshed_s = 0.0
+        self._lora_rounds = FreshRounds(
+            lambda: asyncio.gather(*(c.refresh_model_info() for c in self._clients.values() if c.connected))
+        )
 
     @property
     def clients(self) -> list[EngineClient]:
@@ -152,15 +153,15 @@ class EngineRouter:
         return sorted(names)
 
     async def check_lora(self, name: str) -> None:
-        """Raise NOT_FOUND unless some connected engine serves adapter ``name``; an unknown name
-        first asks every engine again (at most every LORA_REFRESH_S): one may have just loaded it."""
+        """Raise NOT_FOUND unless some connected engine serves adapter ``name``. A known name
+        costs nothing; an unknown one first waits for every engine's model info asked after
+        the call arrived (fresh_rounds.py: unknown names arriving together share one round),
+        so an adapter loaded before the call is never answered NOT_FOUND."""
         if name in self.lora_adapters:
             return
-        if time.monotonic() - self._lora_refreshed_s >= LORA_REFRESH_S:
-            self._lora_refreshed_s = time.monotonic()
-            await asyncio.gather(*(c.refresh_model_info() for c in self.clients if c.connected))
-            if name in self.lora_adapters:
-                return
+        await self._lora_rounds.after_now()
+        if name in self.lora_adapters:
+            return
         info = self.model_info
         served = ([repr(info.model_name)] if info else []) + [repr(n) for n in self.lora_adapters]
         raise CallError(

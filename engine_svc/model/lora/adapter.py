@@ -15,7 +15,10 @@ with ``scale = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), so the scale is fo
 here, in float32. Whatever the engine cannot compute exactly is refused by name, never
 approximated: DoRA, LoRA biases, modules_to_save, embedding or LM-head targets, fused
 checkpoint projections (Phi-3's qkv_proj), expert layers, a rank above --max-lora-rank,
-and any other PEFT option that changes the arithmetic.
+and any other PEFT option that changes the arithmetic. The files are untrusted input:
+``rank_pattern`` / ``alpha_pattern`` keys are regular expressions, matched by RE2 with
+PEFT's rule (patterns.py); a weight that is NaN or infinite, or that the scale makes
+infinite, is refused by tensor name; the config is read only up to MAX_CONFIG_BYTES.
 
 The digest covers what decides the adapter's outputs (the weights file's bytes and the
 config entries that set the scales), not its name: it starts the prefix-cache hash chain of
@@ -36,6 +39,7 @@ import torch
 from safetensors import safe_open
 
 from engine_svc.model.args import ModelArgs
+from engine_svc.model.lora.patterns import PatternError, Patterns
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -67,6 +71,8 @@ _HARMLESS = {
 }  # fmt: skip
 # The config entries the digest covers besides the weights: the ones that set the scales.
 _DIGESTED = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern")
+# PEFT writes a few hundred bytes, or tens of KiB with a key per module in rank_pattern.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class LoraError(ValueError):
@@ -138,9 +144,13 @@ def read_adapter(name: str, path: str | Path, args: ModelArgs, *, max_rank: int)
                 raise LoraError(f"{where}: tensor {key} names layer {layer}; the base model has {args.num_layers}")
             if m.group(2).startswith("mlp.") and args.moe_layers[layer]:
                 raise LoraError(f"{where}: tensor {key} targets the MLP of layer {layer}, a mixture of experts")
-            pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = f.get_tensor(key).float()
+            tensor = f.get_tensor(key).float()
+            if not bool(torch.isfinite(tensor).all()):
+                raise LoraError(f"{where}: tensor {key} in {WEIGHTS_FILE} holds NaN or infinite values")
+            pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor
     if not pairs:
         raise LoraError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    patterns = _patterns(config, where)
     modules: dict[str, list[LoraPart]] = {}
     for (layer, target), ab in sorted(pairs.items()):
         hf_module = f"model.layers.{layer}.{target}"
@@ -157,10 +167,11 @@ def read_adapter(name: str, path: str | Path, args: ModelArgs, *, max_rank: int)
             )
         if rank > max_rank:
             raise LoraError(f"{where}: {hf_module} has rank {rank}, above --max-lora-rank {max_rank}")
-        scale = _scale(config, hf_module, rank, where)
-        modules.setdefault(f"layers.{layer}.{ours}", []).append(
-            LoraPart(part, a.contiguous(), (b * scale).contiguous())
-        )
+        scale = _scale(config, patterns, hf_module, rank, where)
+        scaled = b * scale
+        if not bool(torch.isfinite(scaled).all()):
+            raise LoraError(f"{where}: {hf_module} lora_B times its scale {scale:g} (alpha / r) is not finite")
+        modules.setdefault(f"layers.{layer}.{ours}", []).append(LoraPart(part, a.contiguous(), scaled.contiguous()))
     return LoraAdapter(
         name=name,
         path=path,
@@ -176,6 +187,8 @@ def _read_config(path: Path, where: str) -> dict:
         raise LoraError(f"{where}: not a directory")
     if not config_path.is_file():
         raise LoraError(f"{where}: {CONFIG_FILE} not found; expected a PEFT adapter directory")
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise LoraError(f"{where}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES >> 10} KiB")
     try:
         config = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -192,8 +205,9 @@ def _read_config(path: Path, where: str) -> dict:
         if key not in _HARMLESS and value:
             raise LoraError(f"{where}: {key} is set ({value!r}); the engine serves plain LoRA only, refusing it")
     for key in ("r", "lora_alpha"):
-        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
-            raise LoraError(f"{where}: {key} must be a positive number, got {config.get(key)!r}")
+        value = config.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise LoraError(f"{where}: {key} must be a positive number, got {value!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise LoraError(f"{where}: {key} must be an object")
@@ -207,18 +221,19 @@ def _read_config(path: Path, where: str) -> dict:
     return config
 
 
-def _pattern_value(patterns: dict, module: str, default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern lookup: a key equal to the module's name, or a
-    regex matching its end at a name boundary."""
-    for key, value in patterns.items():
-        if key == module or re.fullmatch(rf"(.*\.)?(?:{key})", module):
-            return value
-    return default
+def _patterns(config: dict, where: str) -> tuple[Patterns, Patterns]:
+    """(rank_pattern, alpha_pattern) compiled (patterns.py); LoraError names a key refused."""
+    try:
+        return Patterns("rank_pattern", config.get("rank_pattern") or {}), Patterns(
+            "alpha_pattern", config.get("alpha_pattern") or {}
+        )
+    except PatternError as e:
+        raise LoraError(f"{where}: {CONFIG_FILE}: {e}") from None
 
 
-def _scale(config: dict, module: str, rank: int, where: str) -> float:
-    r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+def _scale(config: dict, patterns: tuple[Patterns, Patterns], module: str, rank: int, where: str) -> float:
+    r = patterns[0].value(module, config["r"])
+    alpha = patterns[1].value(module, config["lora_alpha"])
     if r != rank:
         raise LoraError(f"{where}: {module} has rank {rank} but its config says r = {r}")
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
