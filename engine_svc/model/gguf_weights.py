@@ -38,7 +38,14 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from engine_svc.model.gguf_metadata import PERMUTED_QK, GGUFError, architecture, check_tensor_types, open_gguf
+from engine_svc.model.gguf_metadata import (
+    PERMUTED_QK,
+    GGUFError,
+    architecture,
+    check_tensor_types,
+    open_gguf,
+    read_shape,
+)
 from engine_svc.model.llama import ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -90,6 +97,7 @@ def read_gguf_tensors(
     reader = open_gguf(path)
     arch = architecture(reader, path)
     check_tensor_types(reader, path)
+    read_shape(reader, path, arch)  # the metadata agrees with every tensor's shape, before any is read
     permuted = arch in PERMUTED_QK
     tensors: list[tuple[str, torch.Tensor]] = []
     freq_factors: torch.Tensor | None = None

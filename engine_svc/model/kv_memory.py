@@ -14,7 +14,11 @@ Default size, when neither --num-kv-blocks nor --kv-cache-bytes is given::
     blocks = max(floor, min(wanted, cap)) / tokens per block
 
 so a small model gets a small cache, a large one as much as the machine can spare, and
-every request that fits the context fits the cache.
+every request that fits the context fits the cache. A floor above the cap is allocated
+anyway, with a warning (the pages are touched only as blocks are used); a floor above all
+the memory available is refused at start, before anything is allocated, naming
+--max-model-len: no request could ever reach it, and a model's context length (a GGUF's
+``context_length`` says what the file wants) would otherwise size a map of terabytes.
 
 On CPU the cache is a private anonymous memory map: the kernel hands out zero pages as
 they are first touched, so start-up does not write the whole cache and the resident size
@@ -156,6 +160,12 @@ def default_num_kv_blocks(
     cap = int(available * fraction) // bytes_per_block
     num_blocks = max(blocks_per_request, min(wanted, cap))
     mib = num_blocks * bytes_per_block / 2**20
+    if blocks_per_request * bytes_per_block > available:
+        raise ValueError(
+            f"KV cache: one request of max_model_len {max_model_len} tokens needs {_size(mib * 2**20)}, more than "
+            f"the {_size(available)} available; set --max-model-len (default: the model's context length) "
+            "or --kv-cache-bytes"
+        )
     if blocks_per_request > cap:
         logger.warning(
             "KV cache: one request of max_model_len %d tokens needs %.1f MiB, more than %d%% of the %.1f MiB "
@@ -186,6 +196,10 @@ def default_num_kv_blocks(
             max_model_len,
         )
     return num_blocks
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def available_memory(device: torch.device) -> int | None:

@@ -250,9 +250,11 @@ class ModelRunner:
 
     def _allocate_workspace(self) -> KVCache:
         """Gather buffers for SDPA attention, shared by all layers (allocating per layer
-        costs page faults on CPU)."""
+        costs page faults on CPU). No context outgrows the pool, so neither does the
+        workspace, whatever max_model_len says."""
         args = self.model_args
-        shape = (workspace_tokens(self.max_model_len, self.block_size), args.num_kv_heads, args.head_dim)
+        longest = min(self.max_model_len, self.num_kv_blocks * self.block_size)
+        shape = (workspace_tokens(longest, self.block_size), args.num_kv_heads, args.head_dim)
         return (
             torch.empty(shape, dtype=self.dtype, device=self.device),
             torch.empty(shape, dtype=self.dtype, device=self.device),

@@ -42,8 +42,17 @@ def test_capped_by_the_memory_available(monkeypatch, caplog):
 
 def test_never_below_one_full_length_request(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="engine_svc.model.kv_memory"):
-        assert blocks(monkeypatch, 50 * MiB) == 64  # 1024 tokens need 64 blocks, more than 40% of 50 MiB
+        assert blocks(monkeypatch, 100 * MiB) == 64  # 1024 tokens need 64 blocks, more than 40% of 100 MiB
     assert "allocating it anyway" in caplog.text
+
+
+def test_a_full_length_request_beyond_all_the_memory_is_refused(monkeypatch):
+    # A context of 2^32 tokens (a GGUF's context_length can say so) would map 256 TiB here.
+    with pytest.raises(ValueError, match=r"one request of max_model_len 4294967296 tokens needs 262144.0 GiB, more "
+                       r"than the 100.0 MiB available; set --max-model-len"):  # fmt: skip
+        blocks(monkeypatch, 100 * MiB, max_model_len=2**32)
+    with pytest.raises(ValueError, match="needs 64.0 MiB, more than the 64.0 MiB available"):
+        blocks(monkeypatch, 64 * MiB - 1)  # 64 blocks of 1 MiB: just over
 
 
 def _rss_bytes() -> int:
