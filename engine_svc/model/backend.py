@@ -126,6 +126,7 @@ def install_backend(
     prequantized_source: str = "gguf",
     quantized_embeddings: dict[str, QuantizedWeight] | None = None,
     int8_activations: bool = False,
+    rope_positions: int | None = None,
 ) -> ModelBackend:
     """Swap the model's layers for the chosen backend's, in place; the one place that
     packs weights. ``wanted`` is ``--kernels``; ``batch_size_hint`` the rows oneDNN's
@@ -136,7 +137,8 @@ def install_backend(
     checkpoint's integers); ``quantized_embeddings`` a GGUF file's embedding and LM head
     blocks (quantized_embeddings.py), with the float head kept for wide steps where that pays;
     ``int8_activations`` (``--activation-quantization int8``) the quantized linear layers'
-    inputs quantized to int8 (quantized_layers.py)."""
+    inputs quantized to int8 (quantized_layers.py); ``rope_positions`` the positions the
+    native rotary table holds (the served context; default the model's)."""
     if quantization is not None and kernels is None:
         raise ValueError(
             f"--quantization {quantization} runs on the native CPU kernels, which this engine does not have "
@@ -144,7 +146,7 @@ def install_backend(
         )
     matmuls = choose_matmuls(kernels, wanted, device, dtype)
     if kernels is not None:
-        install_native_layers(model, kernels, dtype)
+        install_native_layers(model, kernels, dtype, rope_positions)
     num_packed = 0
     if prequantized and kernels is not None:
         install_prequantized_linears(model, kernels, prequantized)

@@ -160,12 +160,9 @@ def default_num_kv_blocks(
     cap = int(available * fraction) // bytes_per_block
     num_blocks = max(blocks_per_request, min(wanted, cap))
     mib = num_blocks * bytes_per_block / 2**20
-    if blocks_per_request * bytes_per_block > available:
-        raise ValueError(
-            f"KV cache: one request of max_model_len {max_model_len} tokens needs {_size(mib * 2**20)}, more than "
-            f"the {_size(available)} available; set --max-model-len (default: the model's context length) "
-            "or --kv-cache-bytes"
-        )
+    check_one_request_fits(
+        bytes_per_block=bytes_per_block, block_size=block_size, max_model_len=max_model_len, device=device
+    )
     if blocks_per_request > cap:
         logger.warning(
             "KV cache: one request of max_model_len %d tokens needs %.1f MiB, more than %d%% of the %.1f MiB "
@@ -196,6 +193,19 @@ def default_num_kv_blocks(
             max_model_len,
         )
     return num_blocks
+
+
+def check_one_request_fits(*, bytes_per_block: int, block_size: int, max_model_len: int, device: torch.device) -> None:
+    """ValueError, naming --max-model-len, when one request of ``max_model_len`` tokens needs
+    more KV cache than all the memory available (the module docstring; nothing if unknown)."""
+    available = available_memory(device)
+    needed = -(-max_model_len // block_size) * bytes_per_block
+    if available is not None and needed > available:
+        raise ValueError(
+            f"KV cache: one request of max_model_len {max_model_len} tokens needs {_size(needed)}, more than "
+            f"the {_size(available)} available; set --max-model-len (default: the model's context length) "
+            "or --kv-cache-bytes"
+        )
 
 
 def _size(num_bytes: float) -> str:

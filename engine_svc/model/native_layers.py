@@ -121,8 +121,12 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-def install_native_layers(model: Transformer, kernels: NativeKernels, dtype: torch.dtype) -> None:
-    """Swap the model's norms and rotary embedding for native ones (see the module docstring)."""
+def install_native_layers(
+    model: Transformer, kernels: NativeKernels, dtype: torch.dtype, rope_positions: int | None = None
+) -> None:
+    """Swap the model's norms and rotary embedding for native ones (see the module docstring).
+    The rotary table holds ``rope_positions`` positions (the served context; default the
+    model's max_position_embeddings): a model's context length alone must not size it."""
     for name, module in list(model.named_modules()):
         # The kernel norms the residual stream with a plain ``w`` gain; per-head q/k norms
         # and ``1 + w`` norms stay in PyTorch.
@@ -134,7 +138,8 @@ def install_native_layers(model: Transformer, kernels: NativeKernels, dtype: tor
             "partial rotary embedding (%d of %d dims) runs in PyTorch", model.args.rotary_dim, model.args.head_dim
         )
         return
-    model.rotary = NativeRotary(kernels, model.rotary, model.args.max_position_embeddings, dtype)
+    positions = rope_positions or model.args.max_position_embeddings
+    model.rotary = NativeRotary(kernels, model.rotary, positions, dtype)
 
 
 def install_native_linears(model: Transformer, kernels: NativeKernels, dtype: torch.dtype) -> int:

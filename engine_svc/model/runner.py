@@ -13,8 +13,11 @@ The runner never imports the scheduler.
 
 Construction, in order (``__init__`` only calls the steps): load the weights while the
 native kernels compile, and put the layers on the backend that ``backend.py`` chooses
-(native / oneDNN / torch, weights packed once); resolve ``max_model_len``; size and
-allocate the KV cache (``kv_memory.py``) and the attention workspace; make the sampler.
+(native / oneDNN / torch, weights packed once); size and allocate the KV cache
+(``kv_memory.py``) and the attention workspace; make the sampler. ``max_model_len`` is
+resolved first, from the config: it sizes what the load builds (the native RoPE table), and
+with the default pool one full-length request must fit the memory available, so a model's
+context length alone never asks for more before anything is allocated.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ from engine_svc.model.attention import AttentionMetadata, AttentionSetup, KVCach
 from engine_svc.model.backend import KernelBuild, ModelBackend
 from engine_svc.model.gguf_checkpoint import gguf_source
 from engine_svc.model.hf_quantized import quantization_scheme
-from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block, populate_kv_cache, size_kv_cache
+from engine_svc.model.kv_memory import (
+    allocate_kv_cache,
+    bytes_per_block,
+    check_one_request_fits,
+    populate_kv_cache,
+    size_kv_cache,
+)
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
@@ -82,6 +91,11 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = self._resolve_dtype(dtype, model_dir, quantization)
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        self.block_size = block_size
+        self.max_model_len = self._resolve_max_model_len(
+            model_dir, max_model_len, default_pool=num_kv_blocks is None and kv_cache_bytes is None
+        )
         self.model, self.model_args, backend = self._load_model(
             model_dir, kernels, batch_size_hint, quantization, activation_quantization
         )
@@ -93,10 +107,7 @@ class ModelRunner:
         self.threads = self._thread_governor()
         self.step_work = StepWork.of_model(self.model_args)
         self.vocab_size = self.model_args.vocab_size
-        self.max_model_len = self._resolve_max_model_len(max_model_len)
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
-        self.block_size = block_size
-        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
         self.kv_cache_populate = kv_cache_populate
         self.kv_cache_populate_seconds = kv_cache_populate_seconds
         self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
@@ -131,6 +142,7 @@ class ModelRunner:
             batch_size_hint=batch_size_hint,
             quantization=quantization,
             activation_quantization=activation_quantization,
+            rope_positions=self.max_model_len,
         )
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:
@@ -176,15 +188,28 @@ class ModelRunner:
         across threads."""
         return ThreadGovernor(torch.get_num_threads()) if self.own_kernels else None
 
-    def _resolve_max_model_len(self, max_model_len: int | None) -> int:
-        """``--max-model-len``, capped at the model's ``max_position_embeddings``."""
-        args = self.model_args
+    def _resolve_max_model_len(self, model_dir: str, max_model_len: int | None, *, default_pool: bool) -> int:
+        """``--max-model-len``, capped at the model's ``max_position_embeddings`` (read from
+        its config, before any weight loads); with the default pool, refused when one
+        request of that length needs more KV cache than the memory available."""
+        args = ModelArgs.from_hf_config(read_config(model_dir))
         resolved = min(max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         if max_model_len is not None and max_model_len > args.max_position_embeddings:
             logger.warning(
                 "--max-model-len %d is beyond the model's max_position_embeddings; using %d", max_model_len, resolved
             )
         args.check_max_model_len(resolved)
+        if default_pool:
+            block_bytes = bytes_per_block(
+                num_layers=args.num_layers,
+                block_size=self.block_size,
+                num_kv_heads=args.num_kv_heads,
+                head_dim=args.head_dim,
+                dtype=self.kv_dtype,
+            )
+            check_one_request_fits(
+                bytes_per_block=block_bytes, block_size=self.block_size, max_model_len=resolved, device=self.device
+            )
         return resolved
 
     def _size_kv_cache(

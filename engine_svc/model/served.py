@@ -37,11 +37,13 @@ def load_served_model(
     batch_size_hint: int,
     quantization: str | None,
     activation_quantization: str = "auto",
+    rope_positions: int | None = None,
 ) -> tuple[Transformer, ModelArgs, ModelBackend]:
     """Weights on the device, their layers on the backend ``backend.py`` chooses.
     ``build`` is the native kernels' build, started before the weights load so that
     the two overlap; ``quantization`` is ``--quantization``, ``activation_quantization``
-    ``--activation-quantization``."""
+    ``--activation-quantization``; ``rope_positions`` the served context (max_model_len),
+    which sizes the native rotary table."""
     prequantized, source, declared = _prequantized(model_dir, build, quantization)
     int8_activations = _int8_activations(activation_quantization, declared, prequantized is not None, build)
     if int8_activations and prequantized:
@@ -63,6 +65,7 @@ def load_served_model(
         prequantized_source=source,
         quantized_embeddings=embeddings,
         int8_activations=int8_activations,
+        rope_positions=rope_positions,
     )
     close_gguf()  # every weight is copied out of the file by now
     return model, args, backend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,31 @@ def test_engine_flag_populates_its_pool(demo_model_dir):
 
     assert resident_fraction("--kv-cache-populate") == 1.0
     assert resident_fraction() < 0.5  # the default: pages come as blocks are first used
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory):
+    from tests.model_factory import make_model_dir
+
+    # 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes: 512 bytes of float32 KV cache per token.
+    return make_model_dir(tmp_path_factory.mktemp("long") / "model", vocab_size=256, max_position_embeddings=1 << 20)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the native rotary table needs the native kernels")
+def test_max_model_len_sizes_the_rope_table_not_the_models_context(long_context_model):
+    from engine_svc.model.runner import ModelRunner
+
+    runner = ModelRunner(str(long_context_model), device="cpu", dtype="float32", block_size=16, num_kv_blocks=64,
+                         kv_cache_bytes=None, max_model_len=512)  # fmt: skip
+    assert runner.model.rotary.cos_sin.shape[0] == 512  # not the 1,048,576 positions of the model's context
+
+
+def test_a_context_no_memory_holds_is_refused_before_the_weights_load(long_context_model, monkeypatch):
+    from engine_svc.model.runner import ModelRunner
+
+    # One request of 1,048,576 tokens needs 512 MiB of KV cache; say 100 MiB are available.
+    monkeypatch.setattr(kv_memory, "available_memory", lambda device: 100 * MiB)
+    with pytest.raises(ValueError, match=r"one request of max_model_len 1048576 tokens needs 512.0 MiB, more than the "
+                       r"100.0 MiB available; set --max-model-len"):  # fmt: skip
+        ModelRunner(str(long_context_model), device="cpu", dtype="float32", block_size=16, num_kv_blocks=None,
+                    kv_cache_bytes=None, max_model_len=None)  # fmt: skip
