@@ -122,6 +122,7 @@ def read_adapter(name: str, path: str | Path, args: ModelArgs, *, max_rank: int)
     path = Path(path)
     where = f"LoRA adapter {name!r} ({path})"
     config = _read_config(path, where)
+    patterns = _patterns(config, where)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         other = (
@@ -150,7 +151,6 @@ def read_adapter(name: str, path: str | Path, args: ModelArgs, *, max_rank: int)
             pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor
     if not pairs:
         raise LoraError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    patterns = _patterns(config, where)
     modules: dict[str, list[LoraPart]] = {}
     for (layer, target), ab in sorted(pairs.items()):
         hf_module = f"model.layers.{layer}.{target}"

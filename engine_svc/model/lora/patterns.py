@@ -56,7 +56,6 @@ class Patterns:
     def __init__(self, field: str, patterns: dict) -> None:
         if len(patterns) > MAX_KEYS:
             raise PatternError(f"{field} has {len(patterns)} keys; at most {MAX_KEYS} are served")
-        self.field = field
         self._values = dict(patterns)
         self._compiled: list[tuple[Any, float]] = []  # (an RE2 regexp, the value)
         for key, value in patterns.items():
