@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from frontend_svc.engine.routing import DEFAULT_LOAD_THRESHOLD_TOKENS
+from frontend_svc.text.chat_template.renderer import TemplateBudget
 from frontend_svc.text.reasoning import REASONING_PARSERS
 from frontend_svc.text.tools import FORMATS
 from tandem_common.flags import (
@@ -50,6 +51,10 @@ class FrontendConfig:
     max_calls_per_client: int | None = None  # None: half of max_concurrent_calls; 0: no share (fair_share.py)
     stalled_client_timeout_s: float = 30.0
     stream_interval: int = 0  # 0: adaptive coalescing; N: a message waits for N tokens
+    # One chat-template render's budget, and the render processes per frontend process (text/chat_template/)
+    chat_template_timeout_s: float = TemplateBudget.timeout_s
+    chat_template_max_bytes: int = TemplateBudget.max_bytes
+    chat_template_workers: int = TemplateBudget.num_workers
     shutdown_timeout: float = 30.0
     workers: int = 1  # frontend processes on one port (service/workers.py)
     tls_cert: str | None = None
@@ -123,6 +128,10 @@ class FrontendConfig:
         if self.max_calls_per_client is not None:
             return self.max_calls_per_client
         return (self.max_concurrent_calls + 1) // 2
+
+    @property
+    def template_budget(self) -> TemplateBudget:
+        return TemplateBudget(self.chat_template_timeout_s, self.chat_template_max_bytes, self.chat_template_workers)
 
     @property
     def engine_tls(self) -> bool:
@@ -311,6 +320,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a Generate call whose client reads nothing for this long while output waits (gRPC's buffers "
         "for the call are full) is aborted in the engine and ends with RESOURCE_EXHAUSTED (0: never)",
+    )
+    r.add_argument(
+        "--chat-template-timeout-s",
+        type=float_in(0.0, 3600.0, lo_open=True),
+        default=d.chat_template_timeout_s,
+        metavar="S",
+        help="a chat template (the model's own code) gets this long to render one conversation; past it the "
+        "request fails (INVALID_ARGUMENT) and only it, and a template that passes it on the start-up test "
+        "conversations is refused at start",
+    )
+    r.add_argument(
+        "--chat-template-max-bytes",
+        type=int_in(4096, 1 << 30),
+        default=d.chat_template_max_bytes,
+        metavar="BYTES",
+        help="the most text a chat template may make for one conversation, and so its render process's memory "
+        "(256 MiB + 8 x this above what it has at start); past it the request fails (INVALID_ARGUMENT)",
+    )
+    r.add_argument(
+        "--chat-template-workers",
+        type=int_in(1, 64),
+        default=d.chat_template_workers,
+        metavar="N",
+        help="chat-template render processes per frontend process: renders run there, never on the event loop; "
+        "this many renders stuck at their time budget at once delay the next ones",
     )
     r.add_argument(
         "--stream-interval",

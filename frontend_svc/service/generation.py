@@ -29,8 +29,20 @@ from frontend_svc.engine.router import EngineRouter, PromptBlocks, Route
 from frontend_svc.service.flow import InFlightCalls
 from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
-from frontend_svc.service.planning import Plan, RequestLimits
+from frontend_svc.service.planning import (
+    Chat,
+    ChatPrompt,
+    GenerateInput,
+    Plan,
+    RequestLimits,
+    chat_prompt,
+    encode_prompt,
+    invalid,
+    plan_generate,
+    prepare_generate,
+)
 from frontend_svc.service.request_stats import GenerateStats
+from frontend_svc.text.chat_template.renderer import ChatRenderer, NoChatTemplate, RenderError, RenderUnavailable
 from frontend_svc.text.output_processor import ChoiceOutput, ChoiceProcessor, TokenTexts
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.types import CallError, EngineRequestTooLargeError, EngineUnavailableError, ModelInfo, RequestError
@@ -51,8 +63,8 @@ class EngineRefused(CallError):
 
 class Generation:
     """The frontend's shared state for running requests: router, limits, calls in flight,
-    metrics, tracer, the output parsers (--tool-call-parser, --reasoning-parser) and the
-    tokenizer (set once it is loaded)."""
+    metrics, tracer, the output parsers (--tool-call-parser, --reasoning-parser), and the
+    tokenizer with its chat template's renderer (set once they are loaded)."""
 
     def __init__(
         self,
@@ -75,6 +87,7 @@ class Generation:
         self.tokenizer_problem: str | None = None  # why there is no tokenizer, when it is for good
         # The tokenizer with its cache of single-token texts, one value: None until it is loaded.
         self.texts: TokenTexts | None = None
+        self.renderer: ChatRenderer = NoChatTemplate()  # every chat is rendered here (text/chat_template/)
         # Long tokenizations run on worker threads, at most one per core at once: more would
         # not finish sooner, and each holds ~100 bytes of memory per character of text.
         self._heavy = asyncio.Semaphore(os.cpu_count() or 1)
@@ -83,7 +96,8 @@ class Generation:
     def tokenizer(self) -> Tokenizer | None:
         return None if self.texts is None else self.texts.tokenizer
 
-    def set_tokenizer(self, tokenizer: Tokenizer) -> None:
+    def set_tokenizer(self, tokenizer: Tokenizer, renderer: ChatRenderer | None = None) -> None:
+        self.renderer = renderer or NoChatTemplate()
         self.texts = TokenTexts(tokenizer)
 
     def ready(self) -> tuple[Tokenizer, ModelInfo]:
@@ -117,6 +131,31 @@ class Generation:
             return fn(*args)
         async with self._heavy:
             return await asyncio.to_thread(fn, *args)
+
+    async def plan(self, request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo, size: int) -> Plan:
+        """The checked plan of a request whose sizes are checked (``size``: its bytes or
+        characters, for off_loop); CallError for the first problem."""
+        prepared = await self.off_loop(size, prepare_generate, request, tokenizer, self.parsers)
+        text = "" if prepared.prompt is None else await self.render(prepared.prompt, size)
+        return await self.off_loop(
+            size, plan_generate, request, tokenizer, info, self.limits, self.parsers, prepared, text
+        )
+
+    async def chat_token_ids(self, chat: Chat, tokenizer: Tokenizer, max_model_len: int | None, size: int) -> list[int]:
+        """Token ids of ``chat`` rendered with the model's chat template (Tokenize, count_tokens)."""
+        text = await self.render(chat_prompt(chat, tokenizer, chat.messages, {}), size)
+        # The template writes the special tokens (BOS) itself.
+        return await self.off_loop(size, encode_prompt, "messages", text, tokenizer, max_model_len, False)
+
+    async def render(self, prompt: ChatPrompt, size: int) -> str:
+        """The chat template's text, rendered off the loop within its budget; a failure is
+        the request's own: INVALID_ARGUMENT on "messages" (UNAVAILABLE when no render process runs)."""
+        try:
+            return await self.renderer.render(prompt.messages, prompt.add_generation_prompt, prompt.variables, size)
+        except RenderError as e:
+            raise invalid("messages", str(e)) from None
+        except RenderUnavailable as e:
+            raise CallError(ErrorCode.UNAVAILABLE, str(e)) from None
 
     async def stream(
         self, plan: Plan, stats: GenerateStats, on_done: Callable[[Callable[..., None]], None] | None = None

@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from frontend_svc.text import nesting
 from frontend_svc.text.message_parser import MessageFormat
 from frontend_svc.text.reasoning import CLOSE_TAG, OPEN_TAG, prompt_opens_thought
 from frontend_svc.text.tokenizer import Tokenizer
@@ -113,9 +114,11 @@ def _template_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
         if not call.get("name"):
             raise _invalid(f"{where}.name", "a call needs the name of the function it called")
         try:
-            arguments = json.loads(call.get("arguments") or "{}")
+            arguments = nesting.loads(call.get("arguments") or "{}")
         except json.JSONDecodeError as e:
             raise _invalid(f"{where}.arguments", f"is not valid JSON: {e}") from None
+        except nesting.TooDeep as e:
+            raise _invalid(f"{where}.arguments", str(e)) from None
         if not isinstance(arguments, dict):
             raise _invalid(f"{where}.arguments", f"must be a JSON object, got {type(arguments).__name__}")
         out.append(

@@ -2,8 +2,10 @@
 
     GenerateRequest ── convert.request_sizes() ──▶ RequestSizes ── check_sizes()    (lengths only, O(1))
     GenerateRequest ── convert.generate_input() ──▶ GenerateInput
-    GenerateInput ── plan_generate() ──▶ Plan      (prompt tokenized, every field checked)
-                                    └──▶ CallError(code, "field: what to fix")
+    GenerateInput ── prepare_generate() ──▶ Prepared  (tools checked; a chat's ChatPrompt)
+    ChatPrompt ── Generation.render() ──▶ prompt text (the chat template, in its render processes)
+    GenerateInput, Prepared, text ── plan_generate() ──▶ Plan   (prompt tokenized, every field checked)
+                                                     └──▶ CallError(code, "field: what to fix")
 
 Every size is checked before the work it would make expensive: the lengths of repeated
 fields before anything is copied, the length of a text before it is tokenized, the
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from frontend_svc.service import message_plan
-from frontend_svc.service.message_plan import OutputParsers
+from frontend_svc.service.message_plan import ChatRendering, OutputParsers
 from frontend_svc.text.chat_roles import check_roles
 from frontend_svc.text.output_processor import TextParams
 from frontend_svc.text.tokenizer import Tokenizer
@@ -37,6 +39,7 @@ _U64 = 1 << 64  # seeds are uint64 on the wire
 MAX_CHAT_MESSAGES = 1024  # turns of one conversation (Generate and Tokenize)
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id; it goes into every log line of the call
 MAX_DETOKENIZE_IDS = 1 << 20  # token ids of one Detokenize call
+_REQUEST_VARIABLES = ("messages", "add_generation_prompt")  # template variables a client's kwargs cannot set
 
 
 def invalid(field: str, message: str) -> CallError:
@@ -77,6 +80,25 @@ class Chat:
     add_generation_prompt: bool = True
     enable_thinking: bool | None = None  # passed to the template when set
     template_kwargs: dict = field(default_factory=dict)  # extra variables for the template (HTTP chat_template_kwargs)
+
+
+@dataclass
+class ChatPrompt:
+    """A conversation as the chat template gets it: the turns, whether to open the
+    assistant's turn, the other variables (tools, enable_thinking, the client's own)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    variables: dict[str, Any]
+
+
+@dataclass
+class Prepared:
+    """What a request needs rendered before it is planned: nothing, or a chat's prompt and
+    how its output is read (tools, reasoning)."""
+
+    rendering: ChatRendering | None = None
+    prompt: ChatPrompt | None = None
 
 
 @dataclass
@@ -153,23 +175,32 @@ def check_num_messages(field: str, num_messages: int) -> None:
         raise invalid(field, f"at most {MAX_CHAT_MESSAGES} messages are allowed, got {num_messages}")
 
 
+def prepare_generate(request: GenerateInput, tokenizer: Tokenizer, parsers: OutputParsers | None = None) -> Prepared:
+    """The tools checked and, for a chat, what its template renders; CallError for the
+    first problem. The sizes are checked already (``check_sizes``)."""
+    parsers = parsers or OutputParsers()
+    message_plan.check_tool_request(request.tools, request.input == "messages")
+    if request.input != "messages" or request.chat is None:
+        return Prepared()
+    chat = request.chat
+    rendering = message_plan.prepare(chat.messages, request.tools, chat.enable_thinking, tokenizer, parsers)
+    return Prepared(rendering, chat_prompt(chat, tokenizer, rendering.messages, rendering.template_kwargs))
+
+
 def plan_generate(
     request: GenerateInput,
     tokenizer: Tokenizer,
     info: ModelInfo,
     limits: RequestLimits,
     parsers: OutputParsers | None = None,
+    prepared: Prepared | None = None,
+    prompt_text: str = "",
 ) -> Plan:
-    """Tokenizes the prompt and checks every field; raises CallError for the first problem.
-    The sizes are checked already (``check_sizes``)."""
+    """Tokenizes the prompt (a chat's: ``prompt_text``, rendered from ``prepared.prompt``)
+    and checks every field; raises CallError for the first problem."""
     parsers = parsers or OutputParsers()
-    message_plan.check_tool_request(request.tools, request.input == "messages")
-    rendering = None
-    prompt_text = ""
-    if request.input == "messages" and request.chat is not None:
-        chat = request.chat
-        rendering = message_plan.prepare(chat.messages, request.tools, chat.enable_thinking, tokenizer, parsers)
-        prompt_text = render_chat_text(chat, tokenizer, rendering.messages, rendering.template_kwargs)
+    prepared = prepared or Prepared()
+    if prepared.prompt is not None:
         prompt = encode_prompt("messages", prompt_text, tokenizer, info.max_model_len, add_special_tokens=False)
     else:
         prompt = _prompt(request, tokenizer, info)
@@ -194,7 +225,7 @@ def plan_generate(
         )
     check_params(params, request.n, request.stop, info.vocab_size, limits)
     message, params, skip_special_tokens = message_plan.finish(
-        rendering, prompt_text, request.tools, params, request.skip_special_tokens, tokenizer, parsers
+        prepared.rendering, prompt_text, request.tools, params, request.skip_special_tokens, tokenizer, parsers
     )
     text = TextParams(
         stop=list(request.stop),
@@ -227,8 +258,7 @@ def _prompt(request: GenerateInput, tokenizer: Tokenizer, info: ModelInfo) -> li
             raise invalid("token_ids.ids", "the prompt has no token ids")
         check_ids("token_ids.ids", request.token_ids, info.vocab_size)
         return request.token_ids
-    assert request.chat is not None
-    return render_chat(request.chat, tokenizer, info.max_model_len)
+    raise invalid("messages", "the conversation is missing")  # prepare_generate makes a chat's prompt
 
 
 def encode_prompt(
@@ -284,18 +314,11 @@ def check_ids(field: str, ids, vocab_size: int) -> None:
             raise invalid(field, f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
 
 
-def render_chat(chat: Chat, tokenizer: Tokenizer, max_model_len: int | None) -> list[int]:
-    """Token ids of ``chat`` rendered with the model's chat template."""
-    text = render_chat_text(chat, tokenizer, chat.messages, {})
-    # The template writes the special tokens (BOS) itself.
-    return encode_prompt("messages", text, tokenizer, max_model_len, add_special_tokens=False)
-
-
-def render_chat_text(
+def chat_prompt(
     chat: Chat, tokenizer: Tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]
-) -> str:
-    """``chat`` rendered with the model's chat template (``messages``: its turns as the
-    template reads them; ``template_kwargs``: tools, enable_thinking)."""
+) -> ChatPrompt:
+    """``chat`` checked and made ready for the model's chat template (``messages``: its
+    turns as the template reads them; ``template_kwargs``: tools, enable_thinking)."""
     if not tokenizer.has_chat_template:
         raise invalid("messages", "the model has no chat template; send text or token_ids instead")
     if not chat.messages:
@@ -303,10 +326,8 @@ def render_chat_text(
     bad_role = check_roles(chat.messages, tokenizer.special_tokens)
     if bad_role is not None:
         raise invalid(f"messages.messages[{bad_role[0]}].role", bad_role[1])
-    try:
-        # The plan's own variables (tools, enable_thinking) win over the client's.
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=chat.add_generation_prompt, **{**chat.template_kwargs, **template_kwargs}
-        )
-    except (ValueError, TypeError) as e:  # TypeError: a template variable that clashes with an argument
-        raise invalid("messages", str(e)) from e
+    clash = next((name for name in _REQUEST_VARIABLES if name in chat.template_kwargs), None)
+    if clash is not None:
+        raise invalid("chat_template_kwargs", f"{clash!r} is the request's own; leave it out of chat_template_kwargs")
+    # The plan's own variables (tools, enable_thinking) win over the client's.
+    return ChatPrompt(messages, chat.add_generation_prompt, {**chat.template_kwargs, **template_kwargs})

@@ -1,13 +1,17 @@
 """The frontend's gRPC server: GenerateService, grpc.health.v1 and reflection.
 
 Start-up: the server listens at once with health NOT_SERVING, connects to the engines
-and loads the tokenizer (from --tokenizer, or fetched from the first connected engine).
-Health is SERVING while the tokenizer is loaded and at least one engine is connected,
-NOT_SERVING otherwise. An engine model without tokenizer.json is said once, at ERROR,
-with what to do (--tokenizer DIR); calls get FAILED_PRECONDITION with the same words, and
-the engines are asked again with backoff. Shutdown (SIGTERM/SIGINT): NOT_SERVING at once,
-no new calls, in-flight calls get up to ``shutdown_timeout`` seconds to finish, then the
-server stops.
+and loads the tokenizer (from --tokenizer, or fetched from the first connected engine),
+whose chat template must pass its start-up test (text/chat_template/probe.py). Health is
+SERVING while the tokenizer is loaded and at least one engine is connected, NOT_SERVING
+otherwise. An engine model without tokenizer.json, or whose chat template cannot serve,
+is said once, at ERROR, with what to do (--tokenizer DIR); calls get FAILED_PRECONDITION
+with the same words, and the engines are asked again with backoff. A --tokenizer DIR
+whose template cannot serve stops the frontend at start, naming the file.
+
+Shutdown (SIGTERM/SIGINT): NOT_SERVING at once, no new calls, in-flight calls get up to
+``shutdown_timeout`` seconds to finish, then the server stops (and the template's render
+processes with it).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +38,8 @@ from frontend_svc.service.malformed import MalformedRequestInterceptor
 from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import RequestLimits
+from frontend_svc.text.chat_template.probe import TemplateRefused, open_renderer
+from frontend_svc.text.chat_template.renderer import ChatRenderer, NoChatTemplate
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
@@ -153,7 +160,14 @@ class FrontendServer:
         cfg = self.config
         remove_stale_ready_file(cfg.ready_file)
         if cfg.tokenizer:
-            self.servicer.set_tokenizer(Tokenizer.from_dir(cfg.tokenizer))
+            tokenizer = Tokenizer.from_dir(cfg.tokenizer)
+            try:
+                renderer = await self._open_template(
+                    tokenizer, os.path.join(cfg.tokenizer, tokenizer.chat_template_file)
+                )
+            except TemplateRefused as e:
+                raise SystemExit(f"--tokenizer {cfg.tokenizer}: {e}") from None
+            self.servicer.set_tokenizer(tokenizer, renderer)
             logger.info("tokenizer loaded from %s", cfg.tokenizer)
         try:
             keys = cfg.all_api_keys()
@@ -269,8 +283,9 @@ class FrontendServer:
                         "directory), or add tokenizer.json to the engines' model directory"
                     )
                 tokenizer = await asyncio.to_thread(Tokenizer.from_files, files)
+                renderer = await self._open_template(tokenizer, self._served_template(tokenizer))
             except Exception as e:  # noqa: BLE001 - keep trying; health stays NOT_SERVING meanwhile
-                permanent = isinstance(e, MissingTokenizerError)
+                permanent = isinstance(e, (MissingTokenizerError, TemplateRefused))
                 self.servicer.tokenizer_problem = str(e) if permanent else None
                 # Said once (and again when it changes), then retried quietly with backoff.
                 if str(e) != said:
@@ -283,11 +298,24 @@ class FrontendServer:
                 delay = min(delay * 2, TOKENIZER_RETRY_CAP_S)
                 continue
             self.servicer.tokenizer_problem = None
-            self.servicer.set_tokenizer(tokenizer)
+            self.servicer.set_tokenizer(tokenizer, renderer)
             if said is not None:
                 logger.info("tokenizer loaded from the engines")
             self._health_changed.set()
             return
+
+    async def _open_template(self, tokenizer: Tokenizer, origin: str) -> ChatRenderer:
+        """The chat template's renderer, started and tried (TemplateRefused when it cannot serve)."""
+        if tokenizer.chat_template is None:
+            return NoChatTemplate()
+        return await open_renderer(
+            tokenizer.chat_template, tokenizer.template_specials, origin, self.config.template_budget
+        )
+
+    def _served_template(self, tokenizer: Tokenizer) -> str:
+        info = self.router.model_info
+        model = f" of model {info.model_name!r}" if info is not None else ""
+        return f"{tokenizer.chat_template_file}{model} from the engines (a GGUF file's is its tokenizer.chat_template)"
 
     def _write_ready_file(self, serving: bool) -> None:
         cfg = self.config
@@ -311,6 +339,7 @@ class FrontendServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.servicer.calls.close()
+        await self.servicer.generation.renderer.close()
         await self.router.close()
         if self.tracer_provider is not None:
             await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the last spans

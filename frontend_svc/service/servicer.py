@@ -28,20 +28,19 @@ from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
-    Plan,
+    GenerateInput,
     RequestLimits,
     check_ids,
     check_num_messages,
     check_sizes,
     encode_prompt,
     invalid,
-    plan_generate,
-    render_chat,
 )
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
+from frontend_svc.text.chat_template.renderer import ChatRenderer
 from frontend_svc.text.tokenizer import Tokenizer
-from frontend_svc.types import CallError, EngineUnavailableError, ModelInfo
+from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
 from tandem_protos.tandem.generate.v1 import generate_pb2, generate_pb2_grpc
 
@@ -92,8 +91,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     def tokenizer_problem(self, problem: str | None) -> None:
         self.generation.tokenizer_problem = problem
 
-    def set_tokenizer(self, tokenizer: Tokenizer) -> None:
-        self.generation.set_tokenizer(tokenizer)
+    def set_tokenizer(self, tokenizer: Tokenizer, renderer: ChatRenderer | None = None) -> None:
+        self.generation.set_tokenizer(tokenizer, renderer)
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -106,7 +105,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             tokenizer, info = self.generation.ready()
             check_sizes(convert.request_sizes(request), self.limits, info)
             lora_name = await self.generation.lora_name(request.model)
-            plan = await self._off_loop(request, self._plan, request, tokenizer, info, lora_name)
+            gen = await self._off_loop(request, self._input, request, lora_name)
+            plan = await self.generation.plan(gen, tokenizer, info, request.ByteSize())
             operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
             stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
             pieces = self.generation.stream(plan, stats, context.add_done_callback)
@@ -133,11 +133,9 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
             except grpc.aio.InternalError as e:
                 raise call_over(e) from e
 
-    def _plan(
-        self, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer, info: ModelInfo, lora_name: str | None
-    ) -> Plan:
-        gen = replace(convert.generate_input(request), lora_name=lora_name)
-        return plan_generate(gen, tokenizer, info, self.limits, self.generation.parsers)
+    @staticmethod
+    def _input(request: generate_pb2.GenerateRequest, lora_name: str | None) -> GenerateInput:
+        return replace(convert.generate_input(request), lora_name=lora_name)
 
     # -- unary RPCs ---------------------------------------------------------------------------
 
@@ -156,9 +154,8 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
             elif which == "messages":
                 check_num_messages("messages.messages", len(request.messages.messages))
-                ids = await self._off_loop(
-                    request, lambda: render_chat(convert.chat(request.messages), tokenizer, max_model_len)
-                )
+                chat = await self._off_loop(request, convert.chat, request.messages)
+                ids = await self.generation.chat_token_ids(chat, tokenizer, max_model_len, request.ByteSize())
             else:
                 raise invalid("input", "set text or messages")
         except CallError as e:

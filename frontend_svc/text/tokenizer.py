@@ -24,18 +24,15 @@ never match what the incremental detokenizer sends.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
 import tokenizers
 
+from frontend_svc.text.chat_template.sandbox import ChatSandbox, template_variables
 from tandem_common.tokenizer_files import TOKENIZER_FILE_NAMES
 
 # From this many characters (or ids) on, encode and decode go through the batch calls of
@@ -54,6 +51,7 @@ class Tokenizer:
         special_tokens_map: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
         generation_config: Mapping[str, Any] | None = None,
+        chat_template_file: str = "the chat template",
     ) -> None:
         config = dict(config or {})
         special_tokens_map = dict(special_tokens_map or {})
@@ -92,6 +90,7 @@ class Tokenizer:
         self._add_eos: bool | None = config.get("add_eos_token")
 
         self._chat_template_source = chat_template
+        self.chat_template_file = chat_template_file  # which tokenizer file held it, for messages
         self._compiled_template: jinja2.Template | None = None
 
         # Characters of the longest vocabulary entry, added tokens included: no token stands
@@ -128,12 +127,12 @@ class Tokenizer:
 
         template: Any = None
         if "chat_template.jinja" in files:
-            template = files["chat_template.jinja"].decode("utf-8")
+            template, origin = files["chat_template.jinja"].decode("utf-8"), "chat_template.jinja"
         elif "chat_template.json" in files:
-            template = _json_file(files, "chat_template.json").get("chat_template")
+            template, origin = _json_file(files, "chat_template.json").get("chat_template"), "chat_template.json"
         else:
-            template = config.get("chat_template")
-        return cls(backend, config, special_tokens_map, _pick_template(template), generation_config)
+            template, origin = config.get("chat_template"), "tokenizer_config.json"
+        return cls(backend, config, special_tokens_map, _pick_template(template), generation_config, origin)
 
     # ------------------------------------------------------------------ ids <-> text
 
@@ -187,36 +186,43 @@ class Tokenizer:
         """The id of the special token whose text is ``text``, or None."""
         return self._id_of(text) if text in self.special_tokens else None
 
+    @property
+    def template_specials(self) -> dict[str, str]:
+        """The special tokens a chat template sees as variables (bos_token ...)."""
+        return {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "unk_token": self.unk_token or "",
+            "pad_token": self.pad_token or "",
+        }
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """Renders ``messages`` with the model's chat template (a sandboxed jinja2
-        environment set up like transformers'). Extra keyword arguments (``tools``,
-        ``enable_thinking`` ...) become template variables. Any failure, including the
-        template's own ``raise_exception``, is a ValueError."""
+        """Renders ``messages`` with the model's chat template in this process (a sandboxed
+        jinja2 environment set up like transformers', chat_template/sandbox.py). Extra
+        keyword arguments (``tools``, ``enable_thinking`` ...) become template variables.
+        Any failure, including the template's own ``raise_exception``, is a ValueError.
+
+        No time budget here: the server renders through chat_template.TemplateRenderer,
+        in processes it can stop."""
         if self._chat_template_source is None:
             raise ValueError("this model's tokenizer has no chat template; send a text prompt instead")
         if self._compiled_template is None:
             try:
-                self._compiled_template = _jinja_env().from_string(self._chat_template_source)
-            except jinja2.TemplateError as e:
+                self._compiled_template = _sandbox().from_string(self._chat_template_source)
+            except (jinja2.TemplateError, RecursionError) as e:
                 raise ValueError(f"the model's chat template does not compile: {e}") from e
-        variables = {
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            "unk_token": self.unk_token or "",
-            "pad_token": self.pad_token or "",
-            **template_kwargs,
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
-        }
+        variables = template_variables(self.template_specials, messages, add_generation_prompt, template_kwargs)
         try:
             return self._compiled_template.render(**variables)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+        except RecursionError as e:
+            raise ValueError(f"the chat template recursed too deep on these messages: {e}") from e
         except (TypeError, KeyError, AttributeError, IndexError) as e:
             raise ValueError(f"chat template could not render these messages: {e!r}") from e
 
@@ -270,51 +276,11 @@ def _decoder_types(node: Any) -> Iterable[str]:
             yield from _decoder_types(child)
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers some templates
-    carry) renders its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    @staticmethod
-    def _render(caller: Any) -> str:
-        return caller()
+_SANDBOX: ChatSandbox | None = None
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-_ENV: jinja2.sandbox.ImmutableSandboxedEnvironment | None = None
-
-
-def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    # Same options and helpers as transformers' chat-template renderer, so templates
-    # written for it render identically.
-    global _ENV
-    if _ENV is None:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        _ENV = env
-    return _ENV
+def _sandbox() -> ChatSandbox:
+    global _SANDBOX
+    if _SANDBOX is None:
+        _SANDBOX = ChatSandbox()
+    return _SANDBOX

@@ -19,6 +19,7 @@ from typing import Any
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.text.message_parser import AssistantMessage
+from frontend_svc.text.nesting import too_deep
 from frontend_svc.text.output_processor import ChoiceOutput
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 
@@ -32,6 +33,9 @@ def tool_request(f: Fields) -> ToolRequest:
         schema = tf.raw("input_schema")
         if schema is not None and not isinstance(schema, dict):
             raise bad_request(tf.name("input_schema"), "must be a JSON Schema object")
+        problem = too_deep(schema)
+        if problem is not None:
+            raise bad_request(tf.name("input_schema"), problem)
         tools.append(
             ToolSpec(tf.str("name", ""), tf.str("description", ""), json.dumps(schema) if schema is not None else "")
         )
@@ -74,9 +78,11 @@ def turns(mf: Fields, role: str) -> list[dict[str, Any]]:
         if kind == "text":
             text.append(bf.str("text", ""))
         elif kind == "tool_use" and role == "assistant":
-            calls.append(
-                {"id": bf.str("id", ""), "name": bf.str("name", ""), "arguments": json.dumps(bf.raw("input", {}))}
-            )
+            arguments = bf.raw("input", {})
+            problem = too_deep(arguments)
+            if problem is not None:
+                raise bad_request(bf.name("input"), problem)
+            calls.append({"id": bf.str("id", ""), "name": bf.str("name", ""), "arguments": json.dumps(arguments)})
         elif kind == "tool_result" and role == "user":
             results.append({"role": "tool", "tool_call_id": bf.str("tool_use_id", ""), "content": _result_text(bf)})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":

@@ -34,7 +34,7 @@ from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_responses import OpenAIAnswer
 from frontend_svc.service.http.pacing import Pacer, paced
 from frontend_svc.service.http.run import HttpRun, RunStream, as_call_error, collect, until_disconnect
-from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, GenerateInput, check_ids, encode_prompt, render_chat
+from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, GenerateInput, check_ids, encode_prompt
 from frontend_svc.types import CallError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -184,9 +184,8 @@ class HttpFace:
             tokenizer, info = self._ready(anthropic_api.param_name)
             assert req.input.chat is not None
             chat = req.input.chat
-            ids = await self.generation.off_loop(
-                sum(len(m["content"]) for m in chat.messages), render_chat, chat, tokenizer, info.max_model_len
-            )
+            size = sum(len(m["content"]) for m in chat.messages)
+            ids = await self.generation.chat_token_ids(chat, tokenizer, info.max_model_len, size)
         except CallError as e:
             return _error(from_call_error(e, anthropic_api.param_name), anthropic=True)
         except HttpError as e:
@@ -205,7 +204,7 @@ class HttpFace:
                 chat = openai_requests.chat_request({**body, "stream": False, "stream_options": None}).input.chat
                 assert chat is not None
                 size = sum(len(m["content"]) for m in chat.messages)
-                ids = await self.generation.off_loop(size, render_chat, chat, tokenizer, info.max_model_len)
+                ids = await self.generation.chat_token_ids(chat, tokenizer, info.max_model_len, size)
             else:
                 prompt = f.str("prompt")
                 if prompt is None:

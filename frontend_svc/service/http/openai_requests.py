@@ -24,6 +24,7 @@ from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_tools import message_extras, tool_request
 from frontend_svc.service.planning import Chat, GenerateInput
+from frontend_svc.text.nesting import too_deep
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
 
 
@@ -67,6 +68,9 @@ def chat_request(body) -> OpenAIRequest:
         raise bad_request("top_logprobs", "needs logprobs: true")
     gen = _sampling(f, logprobs=(top or 0) if logprobs else None)
     kwargs = f.object("chat_template_kwargs")
+    problem = too_deep(kwargs.body) if kwargs is not None else None
+    if problem is not None:
+        raise bad_request("chat_template_kwargs", problem)
     gen.input = "messages"
     gen.chat = Chat(
         chat_messages(f),
@@ -183,6 +187,9 @@ def _response_format(f: Fields) -> StructuredOutput | None:
         schema = js.raw("schema") if js is not None else None
         if not isinstance(schema, dict):
             raise bad_request("response_format.json_schema.schema", "is required: a JSON Schema object")
+        problem = too_deep(schema)
+        if problem is not None:
+            raise bad_request("response_format.json_schema.schema", problem)
         return StructuredOutput(kind="json_schema", text=json.dumps(schema))
     raise bad_request("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
 

@@ -17,6 +17,7 @@ from typing import Any
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.text.message_parser import FinishedCall, ToolCallPiece
+from frontend_svc.text.nesting import too_deep
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 
 
@@ -33,6 +34,9 @@ def tool_request(f: Fields) -> ToolRequest:
         parameters = fn.raw("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise bad_request(fn.name("parameters"), "must be a JSON Schema object")
+        problem = too_deep(parameters)
+        if problem is not None:
+            raise bad_request(fn.name("parameters"), problem)
         tools.append(
             ToolSpec(
                 fn.str("name", ""),
@@ -73,6 +77,9 @@ def message_extras(mf: Fields) -> dict[str, Any]:
                 raise bad_request(cf.name("function"), "is required: {name, arguments}")
             arguments = fn.raw("arguments", "{}")
             if not isinstance(arguments, str):  # some clients send the object itself
+                problem = too_deep(arguments)
+                if problem is not None:
+                    raise bad_request(fn.name("arguments"), problem)
                 arguments = json.dumps(arguments)
             out["tool_calls"].append({"id": cf.str("id", ""), "name": fn.str("name", ""), "arguments": arguments})
     if mf.str("tool_call_id"):

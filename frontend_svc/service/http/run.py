@@ -1,6 +1,6 @@
 """One generation request of the HTTP face: admitted, planned and streamed like a gRPC Generate call.
 
-    HttpRun(generation, request) ── plan(GenerateInput) ──▶ Plan   (calls.enter, ready, check_sizes, plan_generate)
+    HttpRun(generation, request) ── plan(GenerateInput) ──▶ Plan   (calls.enter, ready, check_sizes, Generation.plan)
                                  ── pieces(plan) ──▶ ChoiceOutput ...  (Generation.stream: routing, engines, text)
                                  ── end()                            (metrics, span, the request's log line)
     until_disconnect(request, run, collect(...))   a whole answer, cancelled if the client goes away
@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 
 from frontend_svc.service.flow import Call
 from frontend_svc.service.generation import Generation
-from frontend_svc.service.planning import GenerateInput, Plan, RequestSizes, check_sizes, plan_generate
+from frontend_svc.service.planning import GenerateInput, Plan, RequestSizes, check_sizes
 from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
@@ -62,7 +62,7 @@ class HttpRun:
             self._call = g.calls.enter(self._context)
             tokenizer, info = g.ready()
             check_sizes(_sizes(gen), g.limits, info)
-            plan = await g.off_loop(_input_chars(gen), plan_generate, gen, tokenizer, info, g.limits, g.parsers)
+            plan = await g.plan(gen, tokenizer, info, _input_chars(gen))
         except CallError as e:
             self.failed(e)
             self.end()

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from frontend_svc.text import nesting
+
 MAX_TOOLS = 128
 MAX_TOOL_CALLS_PER_MESSAGE = 128
 MAX_PARAMETERS_BYTES = 64 * 1024
@@ -97,9 +99,11 @@ def _schema_problem(parameters: str) -> str | None:
     if len(parameters.encode()) > MAX_PARAMETERS_BYTES:
         return f"at most {MAX_PARAMETERS_BYTES} bytes are allowed, got {len(parameters.encode())}"
     try:
-        value = json.loads(parameters)
+        value = nesting.loads(parameters)
     except json.JSONDecodeError as e:
         return f"is not valid JSON: {e}"
+    except nesting.TooDeep as e:
+        return str(e)
     if not isinstance(value, dict):
         return f"must be a JSON Schema object, got {type(value).__name__}"
     return None

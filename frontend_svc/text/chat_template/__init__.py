@@ -1,0 +1,7 @@
+"""Chat templates, the model's own code, rendered within a budget.
+
+sandbox.py   the jinja2 environment (transformers' options) with size bounds
+worker.py    the render process: one template, one conversation at a time, its own bounds
+renderer.py  the server's renders: a few render processes, killed and replaced past the budget
+probe.py     the conversations every template is tried on at start, and what refuses it
+"""
