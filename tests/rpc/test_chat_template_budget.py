@@ -205,3 +205,28 @@ def test_a_tokenizer_dir_whose_template_cannot_serve_stops_the_frontend(demo_mod
         frontend.terminate()
     assert code != 0
     assert f"{model / 'chat_template.jinja'}" in frontend.log() and why in frontend.log(), frontend.log()
+
+
+@pytest.mark.parametrize("stop", ["terminate", "kill"])
+def test_no_render_process_outlives_its_frontend(pair, stop):
+    engine, _ = pair
+    frontend = start_frontend(engine.address).wait_serving()
+    try:
+        main = frontend.proc.pid
+        children = [int(p) for p in open(f"/proc/{main}/task/{main}/children").read().split()]
+        assert len(children) == 2, children  # --chat-template-workers' default
+        getattr(frontend, stop)()  # SIGTERM: the frontend closes them; SIGKILL: they die with it
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(p) for p in children)
+    finally:
+        frontend.terminate()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -97,8 +97,12 @@ class _Process:
             self.proc.kill()
 
     async def reap(self) -> int | None:
+        """Kills, waits for the exit and closes the pipes (a transport left open would be
+        closed by the garbage collector, perhaps after its loop)."""
         self.kill()
-        return await self.proc.wait()
+        code = await self.proc.wait()
+        self.proc._transport.close()  # type: ignore[attr-defined] # asyncio's Process has no close()
+        return code
 
 
 class TemplateRenderer:
@@ -230,7 +234,6 @@ class TemplateRenderer:
     def _replace(self, process: _Process) -> None:
         """Kills ``process`` and starts another in the background, which becomes idle when ready."""
         process.kill()
-        self._live.discard(process)
         if self._closed:
             return
         task = asyncio.create_task(self._restart(process), name="chat-template-restart")
@@ -239,6 +242,7 @@ class TemplateRenderer:
 
     async def _restart(self, dead: _Process) -> None:
         await dead.reap()
+        self._live.discard(dead)
         delay = 0.1
         while not self._closed:
             try:
@@ -255,7 +259,7 @@ class TemplateRenderer:
         for task in list(self._starting):
             task.cancel()
         await asyncio.gather(*self._starting, return_exceptions=True)
-        live, self._live = list(self._live), set()
+        live, self._live = list(self._live), set()  # the dead ones a restart had not reaped too
         await asyncio.gather(*(p.reap() for p in live), return_exceptions=True)
 
 

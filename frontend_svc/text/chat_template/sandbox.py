@@ -7,7 +7,9 @@ operation whose result can be far larger than its inputs is checked *before* it 
 refused with ``BudgetError`` when the result would pass ``max_chars``:
 
     'x' * n, [x] * n                  len(x) * n
-    n ** m                            bits of the result (m * log2 |n|)
+    n ** m                            the result's bits (m * log2 |n|), at most 65,536: a larger
+                                      int cannot be printed (4,300 digits), and 10 ** 10**7
+                                      alone is 15 s of one C call
     a + b (strings, lists)            len(a) + len(b)
     '%9999d' % v, '{:9999}'.format(v) every width and precision in the format
     s.center/ljust/rjust/zfill(w)     w
@@ -45,6 +47,7 @@ import jinja2.utils
 DEFAULT_MAX_CHARS = 32 << 20
 
 _MAX_JSON_INDENT = 64  # tojson(indent=...): templates use 2 or 4
+_MAX_POWER_BITS = 1 << 16
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill"})
 _PRINTF_NUMBERS = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _DIGITS = re.compile(r"\d+")
@@ -95,7 +98,9 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
                     self.check(len(seq) * n, "repeating a sequence with *")
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-                self.check(right * math.log2(abs(left)) / 8, "a power with **")
+                bits = right * math.log2(abs(left))
+                if bits > _MAX_POWER_BITS:
+                    raise BudgetError(f"a power with ** would have {_count(bits)} bits, more than {_MAX_POWER_BITS}")
         elif operator == "+":
             if isinstance(left, (str, bytes, list, tuple)) and isinstance(right, (str, bytes, list, tuple)):
                 self.check(len(left) + len(right), "joining with +")
