@@ -40,6 +40,10 @@ FRONTEND_REFUSED = [
     ("--shutdown-timeout", "inf", "a number >= 0"),
     ("--engine-progress-timeout-s", "-1", "a number >= 0"),
     ("--max-calls-per-client", "-1", "an integer >= 0"),
+    ("--chat-template-timeout-s", "0", "a number in (0, 3600]"),
+    ("--chat-template-timeout-s", "nan", "a number in (0, 3600]"),
+    ("--chat-template-max-bytes", "100", "an integer in [4096, 1073741824]"),
+    ("--chat-template-workers", "0", "an integer in [1, 64]"),
 ]
 
 

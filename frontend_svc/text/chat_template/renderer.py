@@ -23,15 +23,12 @@ by close().
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.text.chat_template.worker import HEADER
+from frontend_svc.text.chat_template.process import Died, Expired, RenderProcess
 
 logger = logging.getLogger(__name__)
 
@@ -72,39 +69,6 @@ class RenderUnavailable(RuntimeError):
     """No render process can be started (the machine refuses processes or memory)."""
 
 
-class _Process:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-
-    async def exchange(self, payload: bytes, max_reply: int) -> tuple[bytes, bytes]:
-        """(kind, payload) of the answer to one frame; EOFError if the process died."""
-        stdin, stdout = self.proc.stdin, self.proc.stdout
-        assert stdin is not None and stdout is not None
-        try:
-            stdin.write(HEADER.pack(len(payload)))
-            stdin.write(payload)
-            await stdin.drain()
-            (size,) = HEADER.unpack(await stdout.readexactly(HEADER.size))
-            if not 1 <= size <= max_reply + 1:
-                raise EOFError(f"the render process sent a frame of {size} bytes")
-            reply = await stdout.readexactly(size)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            raise EOFError("it exited or closed its pipe") from None
-        return reply[:1], reply[1:]
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-
-    async def reap(self) -> int | None:
-        """Kills, waits for the exit and closes the pipes (a transport left open would be
-        closed by the garbage collector, perhaps after its loop)."""
-        self.kill()
-        code = await self.proc.wait()
-        self.proc._transport.close()  # type: ignore[attr-defined] # asyncio's Process has no close()
-        return code
-
-
 class TemplateRenderer:
     """One template's render processes. ``origin`` names where the template came from in
     every message (a file, or a file and the engines that served it)."""
@@ -121,10 +85,11 @@ class TemplateRenderer:
                 "headroom_bytes": budget.headroom_bytes,
             }
         ).encode()
-        self._idle: asyncio.Queue[_Process] = asyncio.Queue()
-        self._live: set[_Process] = set()
-        self._starting: set[asyncio.Task] = set()
+        self._idle: asyncio.LifoQueue[RenderProcess] = asyncio.LifoQueue()  # the warmest process first
+        self._live: set[RenderProcess] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._max_reply = budget.max_bytes + 4096  # the text, or an error's JSON
 
     @property
     def what(self) -> str:
@@ -133,9 +98,14 @@ class TemplateRenderer:
     async def start(self) -> None:
         """Starts every process; RenderError("compile" or "timeout") when the template does
         not compile within the budget, RenderUnavailable when no process starts."""
-        processes = await asyncio.gather(*(self._spawn() for _ in range(self.budget.num_workers)))
-        for p in processes:
-            self._idle.put_nowait(p)
+        # Every start ends (a failed one reaps its own process) before this returns.
+        started = await asyncio.gather(*(self._spawn() for _ in range(self.budget.num_workers)), return_exceptions=True)
+        for outcome in started:
+            if isinstance(outcome, RenderProcess):
+                self._idle.put_nowait(outcome)
+        failure = next((e for e in started if isinstance(e, BaseException)), None)
+        if failure is not None:
+            raise failure
 
     async def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any], size: int = 0
@@ -156,23 +126,28 @@ class TemplateRenderer:
         if self._closed:
             raise RenderUnavailable("the frontend is shutting down")
         process = await self._idle.get()
-        # Shielded: a caller that goes away leaves the render to finish (or be killed at its
-        # deadline), and the process to serve on, rather than killing it mid-frame.
-        return await asyncio.shield(asyncio.ensure_future(self._exchange(process, payload)))
-
-    async def _exchange(self, process: _Process, payload: bytes) -> tuple[bytes, bytes]:
         try:
-            kind, reply = await asyncio.wait_for(
-                process.exchange(payload, self.budget.max_bytes + 4096), self.budget.timeout_s + KILL_GRACE_S
-            )
-        except asyncio.TimeoutError:
+            kind, reply = await process.exchange(payload, self._max_reply, self.budget.timeout_s + KILL_GRACE_S)
+        except Died as e:
             self._replace(process)
-            return b"e", json.dumps({"kind": "timeout", "message": "killed"}).encode()
-        except EOFError as e:
-            self._replace(process)
-            return b"e", json.dumps({"kind": "crash", "message": str(e) or "it exited"}).encode()
+            return b"e", json.dumps(
+                {"kind": "timeout" if isinstance(e, Expired) else "crash", "message": str(e)}
+            ).encode()
+        except asyncio.CancelledError:
+            # The caller went away: the render finishes (or is killed at its deadline) without
+            # it, and the process then serves on rather than being killed mid-frame.
+            self._background(self._finish(process))
+            raise
         self._idle.put_nowait(process)
         return kind, reply
+
+    async def _finish(self, process: RenderProcess) -> None:
+        try:
+            await process.finish(self._max_reply)
+        except Died:
+            self._replace(process)
+            return
+        self._idle.put_nowait(process)
 
     def _error(self, reply: bytes) -> RenderError:
         try:
@@ -198,31 +173,20 @@ class TemplateRenderer:
 
     # -- processes
 
-    async def _spawn(self) -> _Process:
+    async def _spawn(self) -> RenderProcess:
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "frontend_svc.text.chat_template.worker",
-                str(os.getpid()),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                limit=1 << 20,
-            )
+            process = await RenderProcess.spawn()
         except OSError as e:
             raise RenderUnavailable(f"cannot start a chat-template render process: {e}") from e
-        process = _Process(proc)
         self._live.add(process)
         try:
-            kind, reply = await asyncio.wait_for(
-                process.exchange(self._init, 4096), self.budget.timeout_s + KILL_GRACE_S + _START_S
-            )
+            kind, reply = await process.exchange(self._init, 4096, self.budget.timeout_s + KILL_GRACE_S + _START_S)
         except BaseException as e:
             self._live.discard(process)
             code = await process.reap()
-            if isinstance(e, asyncio.TimeoutError):
+            if isinstance(e, Expired):
                 raise self._error(json.dumps({"kind": "timeout", "message": "compiling"}).encode()) from None
-            if isinstance(e, EOFError):
+            if isinstance(e, Died):
                 raise RenderUnavailable(f"a chat-template render process exited at start ({code})") from None
             raise
         if kind != b"t":
@@ -231,16 +195,18 @@ class TemplateRenderer:
             raise self._error(reply)
         return process
 
-    def _replace(self, process: _Process) -> None:
+    def _replace(self, process: RenderProcess) -> None:
         """Kills ``process`` and starts another in the background, which becomes idle when ready."""
         process.kill()
-        if self._closed:
-            return
-        task = asyncio.create_task(self._restart(process), name="chat-template-restart")
-        self._starting.add(task)
-        task.add_done_callback(self._starting.discard)
+        if not self._closed:
+            self._background(self._restart(process))
 
-    async def _restart(self, dead: _Process) -> None:
+    def _background(self, work) -> None:
+        task = asyncio.create_task(work, name="chat-template-process")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, dead: RenderProcess) -> None:
         await dead.reap()
         self._live.discard(dead)
         delay = 0.1
@@ -256,9 +222,9 @@ class TemplateRenderer:
     async def close(self) -> None:
         """Kills and reaps every process; renders still waiting get RenderUnavailable."""
         self._closed = True
-        for task in list(self._starting):
+        for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._starting, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         live, self._live = list(self._live), set()  # the dead ones a restart had not reaped too
         await asyncio.gather(*(p.reap() for p in live), return_exceptions=True)
 

@@ -92,7 +92,14 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     # -- operators
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
+        if operator == "+":  # the common one (every template joins its turns with it): first and short
+            if type(left) is str and type(right) is str:
+                if len(left) + len(right) > self.max_chars:
+                    self.check(len(left) + len(right), "joining with +")
+                return left + right
+            if isinstance(left, (str, bytes, list, tuple)) and isinstance(right, (str, bytes, list, tuple)):
+                self.check(len(left) + len(right), "joining with +")
+        elif operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int):
                     self.check(len(seq) * n, "repeating a sequence with *")
@@ -101,12 +108,9 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
                 bits = right * math.log2(abs(left))
                 if bits > _MAX_POWER_BITS:
                     raise BudgetError(f"a power with ** would have {_count(bits)} bits, more than {_MAX_POWER_BITS}")
-        elif operator == "+":
-            if isinstance(left, (str, bytes, list, tuple)) and isinstance(right, (str, bytes, list, tuple)):
-                self.check(len(left) + len(right), "joining with +")
         elif operator == "%" and isinstance(left, (str, bytes)):
             self._check_printf(left, right)
-        return super().call_binop(context, operator, left, right)
+        return self.binop_table[operator](left, right)
 
     def _check_printf(self, fmt: str | bytes, values: Any) -> None:
         text = fmt.decode("latin-1") if isinstance(fmt, bytes) else fmt
