@@ -88,3 +88,10 @@ def test_nesting_is_measured_without_recursion():
     with pytest.raises(TooDeep):
         loads("[" * 200 + "]" * 200)
     assert loads("[" * 100 + "]" * 100) is not None
+
+
+def test_nothing_widens_while_the_template_compiles():
+    # jinja2 folds constant expressions as it compiles: without the bounds this would
+    # allocate 1.4 GiB before any conversation, even though the branch never runs.
+    compiled = ChatSandbox(MAX).from_string("{% if false %}{{ 'a' * 1500000000 }}{{ 'b' | center(10**9) }}{% endif %}")
+    assert compiled.render() == ""

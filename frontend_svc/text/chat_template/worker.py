@@ -82,16 +82,19 @@ class Worker:
         self.init_template: str = init["template"]
 
     def start(self) -> tuple[bytes, bytes]:
-        """Compiles the template (under the same timer), then limits the address space."""
+        """Limits the address space, then compiles the template under the same timer as a
+        render (jinja2 evaluates constant expressions as it compiles)."""
+        if sys.platform.startswith("linux"):
+            limit = _vm_bytes() + self.headroom_bytes
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
             self.template = self._timed(lambda: ChatSandbox(self.max_chars).from_string(self.init_template))
         except RenderTimeout:
             return _error("timeout", "compiling the template did not finish within the budget")
-        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+        except MemoryError:
+            return _error("memory", "ran out of memory compiling the template")
+        except (jinja2.TemplateError, RecursionError) as e:
             return _error("compile", str(e))
-        if sys.platform.startswith("linux"):
-            limit = _vm_bytes() + self.headroom_bytes
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         return b"t", b""
 
     def render(self, request: dict[str, Any]) -> tuple[bytes, bytes]:
