@@ -39,7 +39,7 @@ from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import RequestLimits
 from frontend_svc.text.chat_template.probe import TemplateRefused, open_renderer
-from frontend_svc.text.chat_template.renderer import ChatRenderer, NoChatTemplate
+from frontend_svc.text.chat_template.renderer import ChatRenderer, NoChatTemplate, RenderUnavailable
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
@@ -165,7 +165,7 @@ class FrontendServer:
                 renderer = await self._open_template(
                     tokenizer, os.path.join(cfg.tokenizer, tokenizer.chat_template_file)
                 )
-            except TemplateRefused as e:
+            except (TemplateRefused, RenderUnavailable) as e:
                 raise SystemExit(f"--tokenizer {cfg.tokenizer}: {e}") from None
             self.servicer.set_tokenizer(tokenizer, renderer)
             logger.info("tokenizer loaded from %s", cfg.tokenizer)

@@ -230,3 +230,11 @@ def test_parser_cost_per_token_is_small():
     per_token = (time.perf_counter() - start) / (5 * len(pieces))
     print(f"hermes parser: {per_token * 1e6:.2f} us per 4-character delta")
     assert isinstance(ParsedMessage("x"), ParsedMessage)
+
+
+@pytest.mark.parametrize("name", ["hermes", "json", "llama3_json", "mistral"])
+def test_output_nested_too_deep_for_python_is_text_not_a_crash(name):
+    deep = '{"name": "f", "arguments": ' + "[" * 3000 + "]" * 3000 + "}"
+    output = {"hermes": f"<tool_call>{deep}</tool_call>", "mistral": f"[TOOL_CALLS][{deep}]"}.get(name, deep)
+    parsed = format_named(name).parse(output)
+    assert not parsed.tool_calls and parsed.content

@@ -6,8 +6,9 @@
         close()   ── every process killed and reaped
 
 A render never runs on the event loop: the loop only writes the conversation (JSON) to a
-pipe and reads the text back, ~45 µs for an ordinary chat against ~10 µs to render it in
-place, and less than a hop to a thread (~70 µs). A render that passes its budget fails its
+pipe and reads the text back. For an ordinary chat that is ~45 µs on an idle 2-core
+machine (100-170 µs with the cores oversubscribed) against ~11 µs to render it in place,
+and less than a hop to a thread (~70 µs). A render that passes its budget fails its
 own request (RenderError, kind and message for the client) and nothing else: the process
 stops it itself (timeout, size, memory, recursion), or, stuck in one long C call, is
 killed at the budget plus KILL_GRACE_S; a new one takes its place in the background
@@ -220,7 +221,7 @@ class TemplateRenderer:
                 delay = min(delay * 2, 10.0)
 
     async def close(self) -> None:
-        """Kills and reaps every process; renders still waiting get RenderUnavailable."""
+        """Kills and reaps every process (once the calls have ended); later renders get RenderUnavailable."""
         self._closed = True
         for task in list(self._tasks):
             task.cancel()

@@ -45,14 +45,18 @@ def call_from_value(value: object) -> tuple[str, str] | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     args: object = next((value[k] for k in ARGUMENT_KEYS if k in value), {})
-    return value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    try:
+        return value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    except RecursionError:  # the model's output nests ~1,000 levels deep: text, not a call
+        return None
 
 
 def decode_value(text: str, start: int) -> tuple[object, int] | None:
-    """The JSON value at ``text[start:]`` and the index past it, or None if there is none."""
+    """The JSON value at ``text[start:]`` and the index past it, or None if there is none
+    (text nested too deep for Python's json included: the model's output stays text)."""
     try:
         return json.JSONDecoder().raw_decode(text, start)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
 
 
@@ -198,6 +202,6 @@ def _decoded_string(raw: str) -> str:
     """Arguments written as a JSON string holding JSON text: the text itself."""
     try:
         value = json.loads(raw)
-    except json.JSONDecodeError:
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    except (json.JSONDecodeError, RecursionError):
         return raw
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
