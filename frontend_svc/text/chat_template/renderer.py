@@ -34,6 +34,10 @@ from frontend_svc.text.chat_template.process import Died, Expired, RenderProcess
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 0.5  # past the time budget, a process that has not answered is killed
+# ... plus the time to move the conversation there and its text back (JSON both ways, the
+# pipe), which the process's own timer does not count: a 16 MiB conversation, 28 MB of
+# JSON, took 0.9 s on a loaded 2-core machine, of which 0.04 s was the render.
+TRANSFER_BYTES_PER_S = 8 << 20
 OFF_LOOP_CHARS = 1 << 16  # conversations and texts larger than this are (de)serialised on a thread
 MEMORY_BASE_BYTES = 256 << 20  # a render process's address space: what it has at start, plus this,
 MEMORY_PER_BUDGET_BYTE = 8  # plus this many times --chat-template-max-bytes (input, output and copies)
@@ -127,8 +131,9 @@ class TemplateRenderer:
         if self._closed:
             raise RenderUnavailable("the frontend is shutting down")
         process = await self._idle.get()
+        deadline_s = self.budget.timeout_s + KILL_GRACE_S + 2 * len(payload) / TRANSFER_BYTES_PER_S
         try:
-            kind, reply = await process.exchange(payload, self._max_reply, self.budget.timeout_s + KILL_GRACE_S)
+            kind, reply = await process.exchange(payload, self._max_reply, deadline_s)
         except Died as e:
             self._replace(process)
             return b"e", json.dumps(
