@@ -3,7 +3,9 @@
 Start-up: the server listens at once with health NOT_SERVING, loads the weights and runs
 a warm-up step off the event loop, then turns SERVING. Shutdown (SIGTERM/SIGINT):
 NOT_SERVING at once, new adds get in-band UNAVAILABLE, running requests get up to
-``shutdown_timeout`` seconds to finish, the rest are aborted, then the server stops.
+``shutdown_timeout`` seconds to finish, the rest are aborted, then the server stops. An
+engine whose loop died has no request that can finish (every stream ended with it), so its
+shutdown waits for none.
 """
 
 from __future__ import annotations
@@ -158,19 +160,7 @@ class EngineServer:
         remove_ready_file(cfg.ready_file)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.engine is not None:
-            self.engine.start_draining()
-            deadline = time.monotonic() + cfg.shutdown_timeout
-            while self.engine.num_unfinished() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            left = self.engine.num_unfinished()
-            if left:
-                logger.warning("shutdown timeout: aborting %d unfinished requests", left)
-                self.engine.fail_all(
-                    RequestError(
-                        ErrorCode.UNAVAILABLE,
-                        "the engine shut down before this request finished (shutdown timeout); retry on another engine",
-                    )
-                )
+            await self._drain_requests(self.engine)
             await self.servicer.close_streams(timeout=5.0)
         if self.server is not None:
             await self.server.stop(grace=1.0)
@@ -179,6 +169,29 @@ class EngineServer:
         if self.tracer_provider is not None:
             await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the last spans
         logger.info("stopped")
+
+    async def _drain_requests(self, engine: EngineLoop) -> None:
+        """Running requests get up to ``shutdown_timeout`` seconds to finish, then are aborted.
+
+        A loop that died finishes nothing more (its streams ended when it died, each call
+        UNAVAILABLE), so the wait ends as soon as the loop is found dead, before or during it.
+        """
+        engine.start_draining()
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while engine.num_unfinished() and engine.failure is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.failure is not None:
+            logger.warning("the engine loop is dead: no request can finish, so shutdown waits for none")
+            return
+        left = engine.num_unfinished()
+        if left:
+            logger.warning("shutdown timeout: aborting %d unfinished requests", left)
+            engine.fail_all(
+                RequestError(
+                    ErrorCode.UNAVAILABLE,
+                    "the engine shut down before this request finished (shutdown timeout); retry on another engine",
+                )
+            )
 
     def request_stop(self) -> None:
         self._stopping.set()

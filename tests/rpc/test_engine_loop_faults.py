@@ -2,7 +2,8 @@
 127.0.0.1, with a fault injected into the engine core it drives.
 
     one command fails ─▶ that add is refused in band, the stream and the engine go on
-    the loop thread dies ─▶ health NOT_SERVING at once, open streams and new ones UNAVAILABLE
+    the loop thread dies ─▶ health NOT_SERVING at once, open streams and new ones UNAVAILABLE,
+                           and shutdown waits for none of its requests (they can never finish)
 """
 
 from __future__ import annotations
@@ -19,19 +20,25 @@ from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tests.rpc.engine_stream import EngineStream
 
 
+SHUTDOWN_TIMEOUT_S = 600.0  # the drain a dead loop must not wait out; far past every bound below
+
+
 class InjectedDeath(BaseException):
     """Escapes every ``except Exception``: what kills a thread for good."""
 
 
 @pytest.fixture
 async def engine(demo_model_dir):
-    server = EngineServer(EngineConfig(model=str(demo_model_dir), host="127.0.0.1", port=0, num_kv_blocks=64))
+    config = EngineConfig(
+        model=str(demo_model_dir), host="127.0.0.1", port=0, num_kv_blocks=64, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
+    server = EngineServer(config)
     await server.start()
     await server.load()
     try:
         yield server
     finally:
-        await asyncio.wait_for(server.drain_and_stop(), 60)
+        await asyncio.wait_for(server.drain_and_stop(), 60)  # a second stop is harmless
 
 
 async def _health(address: str) -> int:
@@ -67,7 +74,7 @@ async def test_a_command_that_fails_fails_its_request_alone(engine):
     assert engine.engine.failure is None and engine.engine._thread.is_alive()
 
 
-async def test_when_the_loop_thread_dies_health_and_every_stream_say_so(engine):
+async def test_when_the_loop_thread_dies_health_and_every_stream_say_so_and_shutdown_waits_for_none(engine):
     address = f"127.0.0.1:{engine.port}"
     assert await _health(address) == health_pb2.HealthCheckResponse.SERVING
 
@@ -88,3 +95,5 @@ async def test_when_the_loop_thread_dies_health_and_every_stream_say_so(engine):
         late.add("late", [5, 6, 7], max_tokens=4)
         assert await late.status(timeout=30) == grpc.StatusCode.UNAVAILABLE
     assert isinstance(engine.engine.failure, InjectedDeath)
+    assert engine.engine.num_unfinished() >= 1  # the request it died with never finishes
+    await asyncio.wait_for(engine.drain_and_stop(), 30)  # it ends: no drain of SHUTDOWN_TIMEOUT_S for a dead loop
