@@ -19,7 +19,6 @@ from engine_svc.service.server import EngineServer
 from tandem_protos.tandem.engine.v1 import engine_pb2 as pb
 from tests.rpc.engine_stream import EngineStream
 
-
 SHUTDOWN_TIMEOUT_S = 600.0  # the drain a dead loop must not wait out; far past every bound below
 
 
