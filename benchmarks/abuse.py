@@ -41,6 +41,7 @@ from tests.services import start_engine, start_frontend
 
 class Pair:
     def __init__(self, model: Path, frontend_args: tuple[str, ...], engine_args: tuple[str, ...] = ()) -> None:
+        self.model = model  # for scenarios that start services of their own
         self.engine = start_engine(model, "--num-kv-blocks", "4096", "--max-num-seqs", "256", *engine_args)
         self.engine.wait_serving()
         self.frontend = start_frontend(self.engine.address, extra=frontend_args).wait_serving()

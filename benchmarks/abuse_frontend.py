@@ -3,7 +3,7 @@
     prefix-flood   an engine stand-in publishes 3M block hashes (pool: 4096): frontend RSS
     black-hole     20 calls beside an engine that takes requests and serves none: statuses, seconds
     fair-share     of 64 call slots, one client opens 100 calls that read nothing: another client's status, TTFT
-    metrics-flood  ~500 scrapes/s of the frontend's /metrics: another stream's messages/s, worst gap
+    metrics-flood  ~500 scrapes/s at the frontend's, then the engine's /metrics: their CPU, a stream's tokens/s
     chat-role      a role that forges a system turn: the call's status
     stale-ready    kill -9 of the --workers parent: is the ready file left, does the reader trust it
 
@@ -16,10 +16,15 @@ stand-in copied in to measure the code before a change.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
+from subprocess import PIPE
 
 import grpc
 
@@ -29,7 +34,9 @@ from tandem_protos.tandem.generate.v1 import generate_pb2 as g
 from tandem_protos.tandem.generate.v1 import generate_pb2_grpc
 from tests.reliability.faults import free_port
 from tests.reliability.stand_in_engine import StandInEngine
-from tests.services import start_frontend
+from tests.services import start_engine, start_frontend
+
+QUIET_S, FLOOD_S, ROUNDS = 3.0, 4.0, 3  # metrics-flood: quiet, then flooded, so many times
 
 
 async def prefix_flood(pair, _stub) -> str:
@@ -110,31 +117,72 @@ async def fair_share(pair, _stub) -> str:
 
 
 async def metrics_flood(pair, _stub) -> str:
-    port = free_port()
-    frontend = start_frontend(pair.engine.address, extra=("--metrics-port", str(port)))
+    """~500 scrapes/s from a process of their own at the frontend's /metrics, the engine's,
+    and a bare endpoint's in a third process: first with nothing else running, the flooded
+    process's CPU per answer; then beside a victim stream, its tokens/s while flooded over
+    its tokens/s just before (the median of ROUNDS; the machine's own noise shows in the
+    bare endpoint's figure, which costs the services nothing)."""
+    fport, eport, cport = free_port(), free_port(), free_port()
+    engine = start_engine(pair.model, "--num-kv-blocks", "4096", "--metrics-port", str(eport))
+    frontend = None
+    bare = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.scrape_flood", "serve", str(cport)], stdout=PIPE, text=True
+    )
     try:
+        await asyncio.to_thread(engine.wait_serving)
+        frontend = start_frontend(engine.address, extra=("--metrics-port", str(fport)))
         await asyncio.to_thread(frontend.wait_serving)
+        await asyncio.to_thread(bare.stdout.readline)
+        targets = {
+            "frontend": (fport, frontend.proc.pid),
+            "engine": (eport, engine.proc.pid),
+            "bare": (cport, bare.pid),
+        }
+        costs = {name: await _flood_cost(port, pid) for name, (port, pid) in targets.items()}
+        ratios: dict[str, list[float]] = {name: [] for name in targets}
         async with grpc.aio.insecure_channel(frontend.address) as channel:
-            victim = Victim(generate_pb2_grpc.GenerateServiceStub(channel))
-            await asyncio.sleep(3)
-            await victim.stop()  # the frontend's CPU per scrape, then the victim's rate beside the flood
-            cpu0, num_scrapes = _cpu_s(frontend.proc.pid), [0]
-            t0 = time.monotonic()
-            await asyncio.gather(*(_scrape_loop(port, t0 + 4, num_scrapes) for _ in range(8)))
-            cpu_ms = (_cpu_s(frontend.proc.pid) - cpu0) * 1e3 / max(num_scrapes[0], 1)
-            victim = Victim(generate_pb2_grpc.GenerateServiceStub(channel))
-            await asyncio.sleep(3)
-            t1 = time.monotonic()
-            await asyncio.gather(*(_scrape_loop(port, t1 + 5, num_scrapes) for _ in range(8)))
-            t2 = time.monotonic()
+            victim = _TokenVictim(generate_pb2_grpc.GenerateServiceStub(channel))
+            await asyncio.sleep(2)
+            for _ in range(ROUNDS):
+                for name, (port, _) in targets.items():
+                    t0 = time.monotonic()
+                    await asyncio.sleep(QUIET_S)
+                    t1, _statuses, t2 = await _flood(port, FLOOD_S)
+                    ratios[name].append(victim.rate(t1, t2) / max(victim.rate(t0, t1), 1))
             await victim.stop()
-        return (
-            f"{num_scrapes[0] / (t2 - t1 + 4):.0f} scrapes/s, frontend CPU {cpu_ms:.2f} ms per scrape: victim "
-            f"{victim.rate(t1 - 3, t1):.0f} msg/s before, {victim.rate(t1, t2):.0f} during, worst gap "
-            f"{victim.worst_gap(t1, t2) * 1e3:.0f} ms"
-        )
+        return "; ".join(f"{name}: {costs[name]}, victim {statistics.median(ratios[name]):.0%}" for name in targets)
     finally:
-        await asyncio.to_thread(frontend.terminate)
+        bare.kill()
+        bare.wait()
+        if frontend is not None:
+            await asyncio.to_thread(frontend.terminate)
+        await asyncio.to_thread(engine.terminate)
+
+
+async def _flood(port: int, seconds: float) -> tuple[float, dict[str, int], float]:
+    """(when the flood started, its answers by status, when it ended)."""
+    command = [sys.executable, "-m", "benchmarks.scrape_flood", "flood", str(port), str(seconds)]
+    flood = subprocess.Popen(command, stdout=PIPE, text=True)
+    await asyncio.to_thread(flood.stdout.readline)  # "flooding"
+    t1 = time.monotonic()
+    statuses = json.loads(await asyncio.to_thread(flood.stdout.readline))
+    t2 = time.monotonic()
+    await asyncio.to_thread(flood.wait)
+    return t1, statuses, t2
+
+
+async def _flood_cost(port: int, pid: int) -> str:
+    """The answers a flood of ``port`` gets and the CPU each costs ``pid`` over its quiet rate."""
+    t0, cpu0 = time.monotonic(), _cpu_s(pid)
+    await asyncio.sleep(QUIET_S)
+    t1, cpu1 = time.monotonic(), _cpu_s(pid)
+    quiet = (cpu1 - cpu0) / (t1 - t0)
+    cpu1 = _cpu_s(pid)
+    start, statuses, end = await _flood(port, FLOOD_S)
+    extra = _cpu_s(pid) - cpu1 - quiet * (time.monotonic() - t1)
+    num = sum(n for status, n in statuses.items() if status != "failed")
+    answers = " + ".join(f"{n / (end - start):.0f} {status}" for status, n in sorted(statuses.items()))
+    return f"{answers} /s, {extra * 1e6 / max(num, 1):.0f} us CPU each ({extra / (end - start):.1%} of a core)"
 
 
 def _cpu_s(pid: int) -> float:
@@ -142,14 +190,24 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-async def _scrape_loop(port: int, until: float, count: list[int]) -> None:
-    while time.monotonic() < until:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        await reader.read()
-        writer.close()
-        count[0] += 1
-        await asyncio.sleep(0.014)  # ~60 per second per loop, ~500 in all
+class _TokenVictim(Victim):
+    """Calls one after another, for as long as the scenario runs: token times, for rates and gaps."""
+
+    def __init__(self, stub) -> None:  # noqa: D107 - Victim's, with calls in a loop
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.task = asyncio.create_task(self._calls(stub))
+
+    async def _calls(self, stub) -> None:
+        request = req("victim", max_tokens=1900)
+        request.return_token_ids = True
+        while True:
+            async for response in stub.Generate(request):
+                self.times.append(time.monotonic())
+                self.tokens.append(len(response.token_ids))
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(n for t, n in zip(self.times, self.tokens) if start <= t < end) / (end - start)
 
 
 async def chat_role(_pair, stub) -> str:

@@ -16,6 +16,7 @@ from tandem_common.flags import (
     port,
     seconds,
 )
+from tandem_common.scrape_ration import DEFAULT_CLIENT_RATE, DEFAULT_MAX_RATE
 
 
 @dataclass
@@ -47,6 +48,8 @@ class EngineConfig:
     shutdown_timeout: float = 30.0
     metrics_port: int = 0
     metrics_host: str | None = None  # None: the same address as --host
+    metrics_client_rate: float = DEFAULT_CLIENT_RATE  # pages/s per address (tandem_common/scrape_ration.py)
+    metrics_max_rate: float = DEFAULT_MAX_RATE  # connections/s in all
     ready_file: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"

@@ -21,6 +21,7 @@ from tandem_common.flags import (
     port,
     seconds,
 )
+from tandem_common.scrape_ration import DEFAULT_CLIENT_RATE, DEFAULT_MAX_RATE
 
 
 @dataclass
@@ -66,6 +67,8 @@ class FrontendConfig:
     api_key_file: str | None = None
     metrics_port: int = 0
     metrics_host: str | None = None  # None: the service's --host
+    metrics_client_rate: float = DEFAULT_CLIENT_RATE  # pages/s per address (tandem_common/scrape_ration.py)
+    metrics_max_rate: float = DEFAULT_MAX_RATE  # connections/s in all
     ready_file: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"

@@ -13,6 +13,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from tandem_common.scrape_ration import DEFAULT_CLIENT_RATE, DEFAULT_MAX_RATE
+
 MAX_PORT = 65535
 # gRPC keeps message sizes in a signed 32-bit int.
 MAX_MESSAGE_BYTES = 2**31 - 1
@@ -91,12 +93,28 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_observability_flags(p: argparse.ArgumentParser, *, log_level: str = "INFO", log_format: str = "text") -> None:
     """The "observability" group: metrics endpoint, logs and tracing, alike in both services
-    (their configs have the fields metrics_port, metrics_host, log_level, log_format and
-    otlp_endpoint)."""
+    (their configs have the fields metrics_port, metrics_host, metrics_client_rate,
+    metrics_max_rate, log_level, log_format and otlp_endpoint)."""
     o = p.add_argument_group("observability")
     o.add_argument("--metrics-port", type=metrics_port, default=0, help="Prometheus port (0 = off)")
     o.add_argument(
         "--metrics-host", default=None, help="address the metrics endpoint listens on (default: the same as --host)"
+    )
+    o.add_argument(
+        "--metrics-client-rate",
+        type=float_in(0.0),
+        default=DEFAULT_CLIENT_RATE,
+        metavar="PER_S",
+        help="metrics pages a second one client address may ask for (a burst of 2 s of them); more are answered "
+        "429 with Retry-After (0: no limit per address)",
+    )
+    o.add_argument(
+        "--metrics-max-rate",
+        type=float_in(0.0, lo_open=True),
+        default=DEFAULT_MAX_RATE,
+        metavar="PER_S",
+        help="connections a second the metrics endpoint accepts from all clients together, which bounds what "
+        "scrapes cost the service; more wait in the kernel's listen queue",
     )
     o.add_argument("--log-level", default=log_level, type=str.upper, choices=LOG_LEVELS, help="log threshold")
     o.add_argument(

@@ -26,6 +26,8 @@ ENGINE_REFUSED = [
     ("--num-threads", "0", "an integer >= 1"),
     ("--port", "65536", "an integer in [0, 65535]"),
     ("--metrics-port", "-1", "an integer in [0, 65535]"),
+    ("--metrics-client-rate", "-1", "a number >= 0"),
+    ("--metrics-max-rate", "0", "a number > 0"),
     ("--max-message-bytes", "100", "an integer in [2048, 2147483647]"),
     ("--stream-backlog-bytes", "1000", "an integer >= 65536"),
     ("--shutdown-timeout", "-5", "a number >= 0"),
@@ -36,6 +38,8 @@ ENGINE_REFUSED = [
 FRONTEND_REFUSED = [
     ("--port", "99999", "an integer in [0, 65535]"),
     ("--metrics-port", "70000", "an integer in [0, 65535]"),
+    ("--metrics-client-rate", "nan", "a number >= 0"),
+    ("--metrics-max-rate", "inf", "a number > 0"),
     ("--max-message-bytes", "0", "an integer in [2048"),
     ("--shutdown-timeout", "inf", "a number >= 0"),
     ("--engine-progress-timeout-s", "-1", "a number >= 0"),

@@ -14,10 +14,19 @@ from engine_svc.outputs import EngineOutput, EngineStats, SpecDecodeStats, Struc
 from engine_svc.service.engine_loop import EngineLoop
 from engine_svc.service.lifecycle import RequestListener, RequestTimeline
 from tandem_common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, new_registry, serve_metrics
+from tandem_common.scrape_ration import DEFAULT_CLIENT_RATE, DEFAULT_MAX_RATE
 
 
 class EngineMetrics(RequestListener):
-    def __init__(self, port: int, registry: CollectorRegistry | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        port: int,
+        registry: CollectorRegistry | None = None,
+        host: str = "127.0.0.1",
+        *,
+        client_rate: float = DEFAULT_CLIENT_RATE,
+        max_rate: float = DEFAULT_MAX_RATE,
+    ) -> None:
         self.registry = registry or new_registry()
         r = self.registry
         self.running = Gauge("tandem_engine_requests_running", "Requests being computed", registry=r)
@@ -152,7 +161,7 @@ class EngineMetrics(RequestListener):
         self._structured_seen = StructuredStats()
         self.port = port
         if port:
-            serve_metrics(port, r, host=host)
+            serve_metrics(port, r, host=host, client_rate=client_rate, max_rate=max_rate)
 
     def attach(self, engine: EngineLoop) -> None:
         """Start observing ``engine``; call before ``engine.start()``."""

@@ -28,6 +28,7 @@ from engine_svc.service.servicer import EngineServicer, LoadedEngine
 from engine_svc.types import ErrorCode, RequestError
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
+from tandem_common.scrape_ration import describe as describe_scrape_limits
 from tandem_common.tracing import setup_tracing
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
@@ -147,8 +148,16 @@ class EngineServer:
             from engine_svc.service.metrics import EngineMetrics
 
             host = (cfg.metrics_host or cfg.host).strip("[]")  # never wider than the service itself
-            EngineMetrics(cfg.metrics_port, host=host).attach(engine)
-            logger.info("metrics on http://%s:%d/metrics", host, cfg.metrics_port)
+            metrics = EngineMetrics(
+                cfg.metrics_port, host=host, client_rate=cfg.metrics_client_rate, max_rate=cfg.metrics_max_rate
+            )
+            metrics.attach(engine)
+            logger.info(
+                "metrics on http://%s:%d/metrics (%s)",
+                host,
+                cfg.metrics_port,
+                describe_scrape_limits(cfg.metrics_client_rate, cfg.metrics_max_rate),
+            )
         self.tracer_provider = setup_tracing("tandem-engine", cfg.otlp_endpoint)
         if self.tracer_provider is not None:
             from engine_svc.service.tracing import RequestTracer

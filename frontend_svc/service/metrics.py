@@ -115,17 +115,18 @@ class FrontendMetrics:
         """The prefix index's dropped hashes, read at scrape time."""
         self.registry.register(_DroppedBlocksCollector(num_dropped))
 
-    def serve(self, port: int, host: str) -> None:
-        serve_metrics(port, self.registry, host=host)
+    def serve(self, port: int, host: str, *, client_rate: float, max_rate: float) -> None:
+        """Serve the page, rationed per client address and in all (tandem_common/scrape_ration.py)."""
+        serve_metrics(port, self.registry, host=host, client_rate=client_rate, max_rate=max_rate)
 
 
-def serve_multiprocess(port: int, host: str, path: str) -> None:
+def serve_multiprocess(port: int, host: str, path: str, *, client_rate: float, max_rate: float) -> None:
     """Serves the metrics the processes writing to ``path`` record, combined (--workers)."""
     from prometheus_client import multiprocess
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=path)
-    serve_metrics(port, registry, host=host)
+    serve_metrics(port, registry, host=host, client_rate=client_rate, max_rate=max_rate)
 
 
 def mark_worker_dead(pid: int, path: str) -> None:

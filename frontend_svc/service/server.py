@@ -43,6 +43,7 @@ from frontend_svc.text.chat_template.renderer import ChatRenderer, NoChatTemplat
 from frontend_svc.text.tokenizer import Tokenizer
 from tandem_common.grpc_options import server_options
 from tandem_common.ready import remove_ready_file, remove_stale_ready_file, write_ready_file
+from tandem_common.scrape_ration import describe as describe_scrape_limits
 from tandem_common.tracing import setup_tracing
 
 if TYPE_CHECKING:
@@ -211,8 +212,15 @@ class FrontendServer:
         self._write_ready_file(serving=False)
         if cfg.metrics_port:
             host = (cfg.metrics_host or cfg.host).strip("[]")  # never wider than the service itself
-            self.metrics.serve(cfg.metrics_port, host)
-            logger.info("metrics on http://%s:%d/metrics", host, cfg.metrics_port)
+            self.metrics.serve(
+                cfg.metrics_port, host, client_rate=cfg.metrics_client_rate, max_rate=cfg.metrics_max_rate
+            )
+            logger.info(
+                "metrics on http://%s:%d/metrics (%s)",
+                host,
+                cfg.metrics_port,
+                describe_scrape_limits(cfg.metrics_client_rate, cfg.metrics_max_rate),
+            )
         self.router.add_listener(self._health_changed.set)
         self._tasks.append(asyncio.create_task(self._keep_health(), name="health"))
         await self.router.start()

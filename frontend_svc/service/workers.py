@@ -33,6 +33,7 @@ from pathlib import Path
 from frontend_svc.config import FrontendConfig
 from tandem_common.parent_death import die_with_parent
 from tandem_common.ready import read_ready_file, remove_ready_file, remove_stale_ready_file, write_ready_file
+from tandem_common.scrape_ration import describe as describe_scrape_limits
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,20 @@ def run_workers(config: FrontendConfig) -> int:
             from frontend_svc.service.metrics import serve_multiprocess
 
             host = (config.metrics_host or config.host).strip("[]")
-            serve_multiprocess(config.metrics_port, host, str(metrics_dir))
-            logger.info("metrics of %d workers on http://%s:%d/metrics", config.workers, host, config.metrics_port)
+            serve_multiprocess(
+                config.metrics_port,
+                host,
+                str(metrics_dir),
+                client_rate=config.metrics_client_rate,
+                max_rate=config.metrics_max_rate,
+            )
+            logger.info(
+                "metrics of %d workers on http://%s:%d/metrics (%s)",
+                config.workers,
+                host,
+                config.metrics_port,
+                describe_scrape_limits(config.metrics_client_rate, config.metrics_max_rate),
+            )
         # The workers' metrics go to files there; set before they start, they read it at import.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         context = multiprocessing.get_context("spawn")
