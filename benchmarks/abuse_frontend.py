@@ -1,7 +1,7 @@
 """Abuse scenarios aimed at the frontend, registered in benchmarks.abuse (same command line).
 
     prefix-flood   an engine stand-in publishes 3M block hashes (pool: 4096): frontend RSS
-    black-hole     20 calls beside an engine that takes requests and serves none: statuses, seconds
+    black-hole     20 calls beside an engine that takes requests and serves none (10 s, 45 s deadlines): statuses
     fair-share     of 64 call slots, one client opens 100 calls that read nothing: another client's status, TTFT
     metrics-flood  ~500 scrapes/s at the frontend's, then the engine's /metrics: their CPU, a stream's tokens/s
     chat-role      a role that forges a system turn: the call's status
@@ -61,23 +61,32 @@ async def prefix_flood(pair, _stub) -> str:
 
 
 async def black_hole(pair, _stub) -> str:
+    """20 calls beside an engine that takes requests and serves none, with a 10 s deadline and
+    then (a fresh frontend: nothing suspected yet) with 45 s: their statuses, the slowest."""
     stand_in = await StandInEngine(pair.engine.address).start()
-    frontend = start_frontend(stand_in.address, pair.engine.address, extra=("--routing", "least-load"))
+    try:
+        rounds = [await _black_hole_round(stand_in, pair.engine.address, deadline_s) for deadline_s in (10, 45)]
+        return "; ".join(rounds) + f" (black hole got {stand_in.num_adds} adds)"
+    finally:
+        await stand_in.stop()
+
+
+async def _black_hole_round(stand_in: StandInEngine, address: str, deadline_s: float) -> str:
+    frontend = start_frontend(stand_in.address, address, extra=("--routing", "least-load"))
     try:
         await asyncio.to_thread(frontend.wait_serving)
         async with grpc.aio.insecure_channel(frontend.address) as channel:
             stub = generate_pb2_grpc.GenerateServiceStub(channel)
             results = await asyncio.gather(
-                *(outcome(stub.Generate(req(f"call {i}", max_tokens=8), timeout=45)) for i in range(20))
+                *(outcome(stub.Generate(req(f"call {i}", max_tokens=8), timeout=deadline_s)) for i in range(20))
             )
         codes = {c: sum(r[0] == c for r in results) for c in sorted({r[0] for r in results})}
         return (
-            f"20 calls: {', '.join(f'{n} {c}' for c, n in codes.items())}; slowest {max(r[1] for r in results):.1f} s "
-            f"(black hole got {stand_in.num_adds} adds)"
+            f"20 calls, {deadline_s:g} s deadline: {', '.join(f'{n} {c}' for c, n in codes.items())}, "
+            f"slowest {max(r[1] for r in results):.1f} s"
         )
     finally:
         await asyncio.to_thread(frontend.terminate)
-        await stand_in.stop()
 
 
 async def fair_share(pair, _stub) -> str:

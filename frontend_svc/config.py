@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from frontend_svc.engine.routing import DEFAULT_LOAD_THRESHOLD_TOKENS
+from frontend_svc.engine.watchdog import DEFAULT_PROGRESS_FACTOR, DEFAULT_PROGRESS_FLOOR_S
 from frontend_svc.text.chat_template.renderer import TemplateBudget
 from frontend_svc.text.reasoning import REASONING_PARSERS
 from frontend_svc.text.tools import FORMATS
@@ -32,6 +33,8 @@ class FrontendConfig:
     dns_refresh_s: float = 10.0
     engine_stall_timeout_s: float = 10.0
     engine_progress_timeout_s: float = 30.0  # 0: off (engine/watchdog.py)
+    engine_progress_factor: float = DEFAULT_PROGRESS_FACTOR  # 0: no judging against other engines
+    engine_progress_floor_s: float = DEFAULT_PROGRESS_FLOOR_S
     # "least-load" or "prefix"; None: prefix when there can be two or more engines (two
     # --engine flags or a dns:/// name), least-load with one (nothing to choose from, and
     # the engine then records no prefix-cache events for this frontend).
@@ -192,6 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="an engine that answers but advances none of the requests it took for this long (no output, no "
         "change of its load) is not serving: its calls fail with UNAVAILABLE (those that streamed nothing are "
         "retried on another engine) and it gets one request at a time until it advances one (0: off)",
+    )
+    e.add_argument(
+        "--engine-progress-factor",
+        type=float_in(0.0),
+        default=d.engine_progress_factor,
+        metavar="K",
+        help="judge an engine against the others: while another engine serves, a request that waits for its "
+        "first output, with nothing moving on its engine, K times as long as the slowest serving engine takes "
+        "to a first output or between outputs (and at least --engine-progress-floor-s) moves to another engine, "
+        "and its engine gets one request at a time until it advances one (0: judge each engine alone, by "
+        "--engine-progress-timeout-s)",
+    )
+    e.add_argument(
+        "--engine-progress-floor-s",
+        type=float_in(0.0, lo_open=True),
+        default=d.engine_progress_floor_s,
+        metavar="S",
+        help="the least time a request waits on an engine where nothing moves before --engine-progress-factor moves it",
     )
     e.add_argument(
         "--routing",

@@ -43,6 +43,8 @@ FRONTEND_REFUSED = [
     ("--max-message-bytes", "0", "an integer in [2048"),
     ("--shutdown-timeout", "inf", "a number >= 0"),
     ("--engine-progress-timeout-s", "-1", "a number >= 0"),
+    ("--engine-progress-factor", "-1", "a number >= 0"),
+    ("--engine-progress-floor-s", "0", "a number > 0"),
     ("--max-calls-per-client", "-1", "an integer >= 0"),
     ("--chat-template-timeout-s", "0", "a number in (0, 3600]"),
     ("--chat-template-timeout-s", "nan", "a number in (0, 3600]"),

@@ -18,10 +18,13 @@ keepalive pings (KEEPALIVE_MS, answered by the engine's gRPC core), and a watchd
 ends the session when nothing at all came from the engine for ``stall_timeout_s``: no
 stream message and no answer to GetLoad, which the client asks for every second the
 stream is quiet. An engine that answers but serves nothing (its step loop stuck) is found
-by the progress watchdog (watchdog.py): its session ends the same way, and until it
-advances a request again it is sent one request at a time (``suspect``), so other
-engines take the traffic. A session starts only after the router accepted the engine's model
-(``accept``): same name, vocabulary and tokenizer files as the first engine accepted.
+by the progress watchdog (watchdog.py), which judges it against the other engines
+(``peers``: their paces): its stuck requests move to other engines (aborted here, failed
+so that their calls retry), or, past ``progress_timeout_s``, its session ends the same way
+as a hung one's; either way, until it advances a request again it is sent one request at
+a time (``suspect``), so other engines take the traffic. A session starts only after the
+router accepted the engine's model (``accept``): same name, vocabulary and tokenizer files
+as the first engine accepted.
 
 With a PrefixIndex (prefix-aware routing), each session subscribes to the engine's
 prefix-cache events as its first message and applies them to the index as they come,
@@ -55,7 +58,13 @@ from frontend_svc.engine.channel import (
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.wakeups import Wakeups, read_stream
-from frontend_svc.engine.watchdog import ProgressWatchdog
+from frontend_svc.engine.watchdog import (
+    DEFAULT_PROGRESS_FACTOR,
+    DEFAULT_PROGRESS_FLOOR_S,
+    Pace,
+    ProgressWatchdog,
+    Verdict,
+)
 from frontend_svc.types import (
     EngineLoad,
     EngineRequestTooLargeError,
@@ -92,6 +101,9 @@ class EngineClient:
         max_message_bytes: int = 16 * 1024 * 1024,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
+        progress_factor: float = DEFAULT_PROGRESS_FACTOR,
+        progress_floor_s: float = DEFAULT_PROGRESS_FLOOR_S,
+        peers: Callable[[EngineClient], list[Pace]] | None = None,
         accept: Callable[[EngineClient, ModelIdentity], str | None] | None = None,
         on_change: Callable[[], None] | None = None,
         index: PrefixIndex | None = None,
@@ -107,7 +119,8 @@ class EngineClient:
         self._tls_server_name = tls_server_name
         self._max_message_bytes = max_message_bytes
         self._stall_timeout_s = stall_timeout_s
-        self._progress = ProgressWatchdog(progress_timeout_s)
+        self._progress = ProgressWatchdog(progress_timeout_s, progress_factor, progress_floor_s)
+        self._peers = peers or _no_peers  # the other engines' paces, to judge this one against (router.py)
         self._accept = accept
         self._on_change = on_change
         self._index = index
@@ -160,6 +173,10 @@ class EngineClient:
         """The index holds this engine's blocks: it hashes as this frontend does and subscribed."""
         info = self.model_info
         return self._index is not None and info is not None and info.block_hash_algorithm in BLOCK_HASH_ALGORITHMS
+
+    def pace(self, now: float) -> Pace:
+        """How this engine serves, for judging the others against it (watchdog.py)."""
+        return self._progress.pace(now)
 
     def serves(self, lora_name: str | None) -> bool:
         """Whether the engine serves LoRA adapter ``lora_name`` (None: the base model)."""
@@ -313,16 +330,13 @@ class EngineClient:
         while True:
             await asyncio.sleep(LOAD_POLL_S)
             silent_s = time.monotonic() - self._last_heard_s
-            stalled = self._progress.stalled(time.monotonic())
-            if stalled is not None:
-                self._hung = stalled
-                if not self.suspect:
-                    self.suspect = True
-                    logger.warning(
-                        "engine %s: %s; it gets one request at a time until it advances one", self.address, stalled
-                    )
-                call.cancel()
-                return
+            verdict = self._progress.stalled(time.monotonic(), self._peers(self))
+            if verdict is not None:
+                self._suspect(verdict)
+                if verdict.end_session:
+                    self._hung = verdict.reason
+                    call.cancel()
+                    return
             if silent_s > self._stall_timeout_s:
                 self._hung = (
                     f"the engine sent nothing and answered no GetLoad for {silent_s:.1f} s with "
@@ -340,6 +354,22 @@ class EngineClient:
                 continue
             self._last_heard_s = time.monotonic()
             self._set_load(response.load)
+
+    def _suspect(self, verdict: Verdict) -> None:
+        """Act on the progress watchdog's verdict: move its requests, send one request at a time."""
+        if not self.suspect:
+            self.suspect = True
+            logger.warning(
+                "engine %s: %s; it gets one request at a time until it advances one", self.address, verdict.reason
+            )
+        else:
+            logger.info("engine %s: %s", self.address, verdict.reason)
+        self._progress.moved(verdict.request_ids)
+        error = EngineUnavailableError(f"engine {self.address}: {verdict.reason}")
+        moving = [rid for rid in verdict.request_ids if (h := self._requests.get(rid)) is not None and not h.aborted]
+        self.abort(moving)  # should the engine ever read it, it drops them
+        for rid in moving:
+            self._requests[rid].fail(error)  # nothing was streamed: the call retries elsewhere
 
     def _set_refused(self, problem: str | None) -> None:
         if problem != self.refused:
@@ -387,7 +417,7 @@ class EngineClient:
         if response.kv_events and self._index is not None:  # blocks first, then the outputs
             self._index.apply(self.address, convert.kv_events(response.kv_events))
         if response.outputs:
-            self._progress.progressed()
+            self._progress.output(running=len(self._requests) > len(self._unstarted))
             if self.suspect:
                 self.suspect = False
                 logger.info("engine %s advances requests again", self.address)
@@ -460,7 +490,7 @@ class EngineClient:
         self._requests[request_id] = handle
         self._outbox.put_nowait(message)
         self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
-        self._progress.sent(request_id)
+        self._progress.sent(request_id, compiles=params.structured is not None)
         self._unstarted_tokens += self._unstarted[request_id]
         return handle
 
@@ -485,6 +515,7 @@ class EngineClient:
         if self._requests.get(handle.request_id) is handle:
             logger.warning("engine %s never confirmed the abort of %s", self.address, handle.request_id)
             del self._requests[handle.request_id]
+            self._progress.forget(handle.request_id)
             self._started(handle.request_id)
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
@@ -493,6 +524,10 @@ class EngineClient:
         if files:
             logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
         return files
+
+
+def _no_peers(_client: EngineClient) -> list[Pace]:
+    return []
 
 
 async def _drain(outbox: asyncio.Queue):

@@ -34,6 +34,7 @@ from frontend_svc.engine.routing import (
     choose_by_prefix,
     least_loaded,
 )
+from frontend_svc.engine.watchdog import DEFAULT_PROGRESS_FACTOR, DEFAULT_PROGRESS_FLOOR_S, Pace
 from frontend_svc.types import CallError, EngineUnavailableError, ModelIdentity, ModelInfo
 from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks
 from tandem_common.types import ErrorCode
@@ -101,6 +102,8 @@ class EngineRouter:
         max_message_bytes: int = 16 * 1024 * 1024,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
+        progress_factor: float = DEFAULT_PROGRESS_FACTOR,
+        progress_floor_s: float = DEFAULT_PROGRESS_FLOOR_S,
         policy: RoutingPolicy = RoutingPolicy.LEAST_LOAD,
         load_threshold_tokens: int = DEFAULT_LOAD_THRESHOLD_TOKENS,
     ) -> None:
@@ -111,6 +114,8 @@ class EngineRouter:
         self._max_message_bytes = max_message_bytes
         self._stall_timeout_s = stall_timeout_s
         self._progress_timeout_s = progress_timeout_s
+        self._progress_factor = progress_factor
+        self._progress_floor_s = progress_floor_s
         self.identity: ModelIdentity | None = None  # of the first engine accepted
         self.policy = policy
         self.load_threshold_tokens = load_threshold_tokens
@@ -185,6 +190,15 @@ class EngineRouter:
         self._listeners.append(callback)
 
     async def start(self) -> None:
+        logger.info(
+            "engine watchdogs: an engine silent for %g s is hung; one that advances nothing has its waiting "
+            "requests moved after %g x the pace of the engines that serve (at least %g s), and its calls failed "
+            "after %g s (0: never)",
+            self._stall_timeout_s,
+            self._progress_factor,
+            self._progress_floor_s,
+            self._progress_timeout_s,
+        )
         for address in self._static:
             self._add_client(address, None)
         if self._dns:
@@ -286,12 +300,20 @@ class EngineRouter:
             max_message_bytes=self._max_message_bytes,
             stall_timeout_s=self._stall_timeout_s,
             progress_timeout_s=self._progress_timeout_s,
+            progress_factor=self._progress_factor,
+            progress_floor_s=self._progress_floor_s,
+            peers=self._paces_besides,
             accept=self._accept,
             on_change=self._changed,
             index=self.index,
         )
         self._clients[address] = client
         client.start()
+
+    def _paces_besides(self, client: EngineClient) -> list[Pace]:
+        """The paces of the engines ``client``'s is judged against: the others that take requests."""
+        now = time.monotonic()
+        return [c.pace(now) for c in self._clients.values() if c is not client and c.available]
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -120,6 +120,8 @@ class FrontendServer:
             max_message_bytes=config.max_message_bytes,
             stall_timeout_s=config.engine_stall_timeout_s,
             progress_timeout_s=config.engine_progress_timeout_s,
+            progress_factor=config.engine_progress_factor,
+            progress_floor_s=config.engine_progress_floor_s,
             policy=RoutingPolicy(config.routing_policy),
             load_threshold_tokens=config.routing_load_threshold,
         )

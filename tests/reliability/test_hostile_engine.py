@@ -91,3 +91,33 @@ async def test_a_black_hole_engine_loses_its_calls_to_a_serving_one(engine_proc,
             assert stand_in.num_adds - adds <= 1
     finally:
         await stand_in.stop()
+
+
+async def test_a_black_hole_is_judged_against_the_engine_that_serves_and_its_calls_move_before_their_deadlines(
+    engine_proc, procs
+):
+    """With the default --engine-progress-timeout-s (30 s), calls whose deadline is shorter
+    still end OK: the black hole's requests wait a few times what the real engine takes to a
+    first output (at least --engine-progress-floor-s), then move to the real engine."""
+    deadline_s = 20.0  # well under the 30 s timeout, well over the 3 s floor
+    stand_in = await StandInEngine(engine_proc.address).start()
+    try:
+        frontend = procs(start_frontend(stand_in.address, engine_proc.address, extra=("--routing", "least-load")))
+        await asyncio.to_thread(frontend.wait_serving)
+        async with grpc.aio.insecure_channel(frontend.address) as channel:
+            stub = stub_of(channel)
+            records = [CallRecord(max_tokens=8) for _ in range(20)]
+            await asyncio.gather(
+                *(
+                    read_call(stub.Generate(request(f"call {i}", max_tokens=8), timeout=deadline_s), r)
+                    for i, r in enumerate(records)
+                )
+            )
+            assert stand_in.num_adds >= 1  # some were sent to the black hole first
+            assert [r.code for r in records] == [grpc.StatusCode.OK] * 20, records
+            assert all(len(r.token_ids) == 8 for r in records)
+        log = frontend.log()
+        assert "they move to another engine" in log and "trying another engine" in log, log[-3000:]
+        assert "advanced none of them" not in log  # the session was never ended: the timeout did not act
+    finally:
+        await stand_in.stop()
