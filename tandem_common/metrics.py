@@ -13,8 +13,8 @@ CPU and GIL with them, so what it does is rationed (scrape_ration.py):
   RENDER_SHARE of a core). A scraper that comes now and then (Prometheus every few seconds,
   a person, a test) always gets a fresh page; a flood gets the last page rendered.
 
-Most of a scrape's cost is per connection (measured here: 190 us of CPU through asyncio's
-streams, 85-110 us as below; a cached page adds little), so a connection is read and
+Most of a scrape's cost is per connection (measured in a process of its own: 190 us of
+CPU through asyncio's streams, 85-110 us as below; a cached page adds little), so a connection is read and
 answered on the endpoint's thread with plain socket calls, blocked in the kernel (holding
 neither CPU nor GIL) for at most FAST_WAIT_S for its head to come and its answer to go,
 which is nearly always enough; only a slower one gets a task, which waits at most

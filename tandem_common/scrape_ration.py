@@ -7,11 +7,12 @@
                          └──▶ the page (cached; renders have a ration of their own, metrics.py)
 
 A scrape costs the service mostly per connection (accepting it, reading its head,
-answering, closing: 85-110 us of CPU and GIL here, a 429 as much as a cached page), and
-its renders (a 0.8 ms frontend page, a 2 ms engine page, rationed to 1% of a core). So
-``max_rate`` bounds what any number of scrapers can take from the service, about 1% of a
-core at the default, whatever they send; the address buckets share that out, so that one
-scraper asking too often gets 429s and leaves pages for the others.
+answering, closing: 100-200 us of CPU and GIL in a service here, a 429 as much as a cached
+page), and its renders (a 0.8 ms frontend page, a 2 ms engine page, rationed to 1% of a
+core). So ``max_rate`` bounds what any number of scrapers can take from the service, 2-3%
+of a core at the default (measured under a ~500/s flood: 7-12% before the bound),
+whatever they send; the address buckets share that out, so that one scraper asking too
+often gets 429s and leaves pages for the others.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 DEFAULT_CLIENT_RATE = 20.0  # pages/s per address: Prometheus scrapes every 15 s, `watch` twice a second
-DEFAULT_MAX_RATE = 100.0  # connections/s from all clients: ~1% of a core at ~100 us each
+DEFAULT_MAX_RATE = 100.0  # connections/s from all clients: 1-2% of a core at 100-200 us each
 CLIENT_BURST_S = 2.0  # an address may use this many seconds of its rate at once
 MAX_TRACKED_CLIENTS = 4096  # addresses remembered; the least recent is forgotten (a full bucket)
 
