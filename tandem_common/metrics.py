@@ -173,17 +173,16 @@ class MetricsServer:
         for _ in range(ACCEPT_BATCH):
             now = time.monotonic()
             if not self._accepts.ready(now):
-                self._loop.remove_reader(self._sock)
                 # Back when a batch's worth is there: a wake-up per connection would cost more than it.
-                wait_s = self._accepts.wait_s(now, ACCEPT_BATCH)
-                self._loop.call_later(wait_s, self._loop.add_reader, self._sock, self._accept)
+                self._pause_accepting(self._accepts.wait_s(now, ACCEPT_BATCH))
                 return
             try:
                 conn, address = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of file descriptors, a connection reset before it was taken
-                logger.debug("metrics: accept failed", exc_info=True)
+            except OSError:  # out of file descriptors, say: the socket stays readable, so wait (as asyncio does)
+                logger.warning("metrics: accepting a connection failed; trying again in 1 s", exc_info=True)
+                self._pause_accepting(1.0)
                 return
             self._accepts.take(now)
             try:
@@ -191,6 +190,11 @@ class MetricsServer:
             except Exception:  # noqa: BLE001 - a bad scrape must never end the endpoint
                 logger.exception("metrics request failed")
                 conn.close()
+
+    def _pause_accepting(self, seconds: float) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self._sock)
+        self._loop.call_later(seconds, self._loop.add_reader, self._sock, self._accept)
 
     def _answer(self, conn: socket.socket, retry_after: float) -> None:
         """Answer on this thread when the head comes and the answer goes within FAST_WAIT_S
