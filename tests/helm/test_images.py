@@ -32,7 +32,7 @@ except ImportError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
-FRONTEND_ONLY_EXCLUDED = {"torch", "grpcio-tools", "llguidance", "gguf"}
+FRONTEND_ONLY_EXCLUDED = {"torch", "grpcio-tools", "llguidance", "gguf", "google-re2"}
 SERVER_NAME = "engine.test.svc.cluster.local"
 
 
