@@ -30,7 +30,7 @@ from starlette.routing import Route
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.http import anthropic_api, openai_requests, sse
 from frontend_svc.service.http.errors import HttpError, bad_request, from_call_error
-from frontend_svc.service.http.fields import Fields
+from frontend_svc.service.http.fields import Fields, unencodable_field
 from frontend_svc.service.http.openai_responses import OpenAIAnswer
 from frontend_svc.service.http.pacing import Pacer, paced
 from frontend_svc.service.http.run import HttpRun, RunStream, as_call_error, collect, until_disconnect
@@ -279,10 +279,17 @@ class HttpFace:
                 chunks.append(chunk)
         except ClientDisconnect:
             raise HttpError(400, "the client went away before the body was read") from None
+        raw = b"".join(chunks)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise HttpError(400, f"the request body is not valid JSON: {e}") from None
+        field = unencodable_field(raw, body)
+        if field is not None:
+            raise bad_request(
+                field, "holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair), which is not text"
+            )
+        return body
 
 
 async def _not_found(request: Request, exc) -> Response:

@@ -4,12 +4,17 @@ JSON gives ``true`` for a bool and ``1`` for an int, and Python's bool is an int
 reader here tells them apart, so ``"n": true`` is refused instead of meaning n = 1. A
 field that is absent or ``null`` reads as its default (the OpenAI SDKs send ``null`` for
 some unset fields). Unknown fields are ignored, as OpenAI's API does.
+
+JSON may spell a lone UTF-16 surrogate (``"\\ud800"``), which Python's json reads into a
+``str`` that no UTF-8 encoder takes: ``unencodable_field`` finds such a string, so that the
+body is refused with 400 naming it before any tokenizer or encoder meets it.
 """
 
 from __future__ import annotations
 
 import builtins
 import math
+import re
 from typing import Any
 
 from frontend_svc.service.http.errors import HttpError, bad_request
@@ -103,6 +108,42 @@ class Fields:
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return list(value)
         raise bad_request(self.name(key), "must be an array of integers")
+
+
+# A \\u escape of a surrogate (U+D800-U+DFFF): only a body that holds one can hold a lone
+# one (pairs are joined by the parser). Invalid UTF-8 bytes fail the parse itself.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def unencodable_field(raw: bytes, body: Any) -> str | None:
+    """The path (``messages[0].content``) of a string or key of ``body``, parsed from ``raw``,
+    that UTF-8 cannot encode; None if there is none. Walks ``body`` only when ``raw`` holds a
+    surrogate escape at all, so an ordinary body costs one scan of its bytes."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return None
+    stack: builtins.list[tuple[Any, builtins.str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _encodable(value):
+                return path or "the request body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodable(key):  # a member's name: shown with the surrogate escaped
+                    key = key.encode("utf-8", "backslashreplace").decode()
+                    return f"{path}.{key}" if path else key
+                stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _encodable(text: builtins.str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def json_type(value: Any) -> str:
