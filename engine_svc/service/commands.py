@@ -66,6 +66,22 @@ class ResumeStream:
 
 
 @dataclass(frozen=True)
+class PauseRequests:
+    """The stream's client cannot take these requests' output yet: hold them back."""
+
+    stream_id: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ResumeRequests:
+    """The stream's client took their output: the requests it paused may run again."""
+
+    stream_id: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class HalfClose:
     """The client sends no more commands; the stream ends once its requests finish."""
 
@@ -127,6 +143,8 @@ Command = (
     | Add
     | Abort
     | ResumeStream
+    | PauseRequests
+    | ResumeRequests
     | HalfClose
     | HalfCloseAll
     | CloseStream

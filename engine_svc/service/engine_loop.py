@@ -9,7 +9,9 @@ outputs back through the stream's ``sink`` callback, once per turn. A sink must 
 block: a stream session's sink only appends to its stream's bounded backlog, so a slow or
 stalled reader on one stream never stalls the engine or the other streams. A sink that
 returns True says its reader lags too far behind: the engine pauses that stream's
-requests (``Scheduler.pause_requests``) until the stream asks to resume. Streams that
+requests (``Scheduler.pause_requests``) until the stream asks to resume. A stream's
+client may also pause single requests (``PauseRequests``: its own caller does not read
+their output); a request runs only while neither pause holds it. Streams that
 subscribed get the turn's prefix-cache events through their ``kv_sink`` before their
 outputs (a snapshot when they subscribe; recorded only while some stream is subscribed).
 Other threads read the engine's state only from ``stats``, the snapshot published after
@@ -53,6 +55,8 @@ from engine_svc.service.commands import (
     KvSink,
     LoadLora,
     OpenStream,
+    PauseRequests,
+    ResumeRequests,
     ResumeStream,
     Sink,
     StartDraining,
@@ -76,6 +80,7 @@ class _Stream:
     live: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id, until finished
     half_closed: bool = False
     paused: bool = False  # its sink asked for a pause: its requests (and new adds) are held back
+    held: set[str] = field(default_factory=set)  # client request ids its client paused (PauseRequests)
     kv_sink: KvSink | None = None
     kv_max_hashes: int = 0
 
@@ -169,6 +174,12 @@ class EngineLoop:
     def resume_stream(self, stream_id: int) -> None:
         """Let a paused stream's requests run again (a no-op if it is not paused)."""
         self._push(ResumeStream(stream_id))
+
+    def pause_requests(self, stream_id: int, request_ids: list[str]) -> None:
+        self._push(PauseRequests(stream_id, tuple(request_ids)))
+
+    def resume_requests(self, stream_id: int, request_ids: list[str]) -> None:
+        self._push(ResumeRequests(stream_id, tuple(request_ids)))
 
     def half_close(self, stream_id: int) -> None:
         self._push(HalfClose(stream_id))
@@ -308,8 +319,17 @@ class EngineLoop:
                 return core.abort([stream.live[r] for r in request_ids if r in stream.live], reason)
             case ResumeStream(stream_id) if (stream := self._streams.get(stream_id)) is not None and stream.paused:
                 stream.paused = False
-                core.resume(stream.live.values())
-                logger.info("stream %d caught up: %d requests resume", stream_id, len(stream.live))
+                core.resume(e for r, e in stream.live.items() if r not in stream.held)
+                logger.info("stream %d caught up: %d requests resume", stream_id, len(stream.live) - len(stream.held))
+            case PauseRequests(stream_id, request_ids) if (stream := self._streams.get(stream_id)) is not None:
+                ids = [r for r in request_ids if r in stream.live and r not in stream.held]
+                stream.held.update(ids)
+                core.pause(stream.live[r] for r in ids)
+            case ResumeRequests(stream_id, request_ids) if (stream := self._streams.get(stream_id)) is not None:
+                ids = [r for r in request_ids if r in stream.held]
+                stream.held.difference_update(ids)
+                if not stream.paused:
+                    core.resume(stream.live[r] for r in ids)
             case HalfClose(stream_id) if (stream := self._streams.get(stream_id)) is not None:
                 self._half_close(stream)
             case HalfCloseAll():
@@ -409,6 +429,7 @@ class EngineLoop:
                     self.events.finished(out)  # still keyed by the engine request id
                 if stream is not None:
                     stream.live.pop(client_id, None)
+                    stream.held.discard(client_id)
             if stream is None:
                 continue
             out.request_id = client_id

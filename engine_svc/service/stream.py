@@ -2,7 +2,7 @@
 that tie the engine thread, the reader and the writer together.
 
     engine thread ── sink / kv_sink ──▶ StreamBacklog ── wake ──▶ responses(): take, yield
-    read_commands(): Add / Abort / SubscribeKvEvents ──▶ EngineLoop    ◀── taken ──┘
+    read_commands(): Add / Abort / Pause / Resume / SubscribeKvEvents ──▶ EngineLoop    ◀── taken ──┘
 
 ``sink`` and ``kv_sink`` run on the engine thread and never block: they append to the
 backlog and wake the writer with ``call_soon_threadsafe``. The reader stops reading while
@@ -101,6 +101,10 @@ class StreamSession:
                     engine.abort(stream_id, list(msg.abort.request_ids), convert.abort_finish(msg.abort))
                 elif action == "subscribe_kv_events":
                     engine.subscribe_kv_events(stream_id, self._kv_sink, self.max_hashes)
+                elif action == "pause_requests":
+                    engine.pause_requests(stream_id, list(msg.pause_requests.request_ids))
+                elif action == "resume_requests":
+                    engine.resume_requests(stream_id, list(msg.resume_requests.request_ids))
                 # Far behind: stop reading, so HTTP/2 flow control holds the client's writes.
                 while self.backlog.over_read_limit:
                     self._taken.clear()

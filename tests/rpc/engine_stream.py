@@ -93,6 +93,12 @@ class EngineStream:
     def abort(self, *request_ids: str, reason: int = pb.ABORT_REASON_UNSPECIFIED) -> None:
         self._outbox.put_nowait(pb.StreamRequest(abort=pb.Abort(request_ids=list(request_ids), reason=reason)))
 
+    def pause(self, *request_ids: str) -> None:
+        self._outbox.put_nowait(pb.StreamRequest(pause_requests=pb.PauseRequests(request_ids=list(request_ids))))
+
+    def resume(self, *request_ids: str) -> None:
+        self._outbox.put_nowait(pb.StreamRequest(resume_requests=pb.ResumeRequests(request_ids=list(request_ids))))
+
     def subscribe_kv_events(self) -> None:
         self._outbox.put_nowait(pb.StreamRequest(subscribe_kv_events=pb.SubscribeKvEvents()))
 

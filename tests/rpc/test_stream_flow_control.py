@@ -4,7 +4,8 @@ A reader that stops reading must neither make the engine buffer without bound no
 one giant message when it reads again: the engine pauses that stream's requests once
 --stream-backlog-bytes of output wait unsent, resumes them when the reader catches up,
 and hands the backlog out in messages under a quarter of --max-message-bytes. Other
-streams go on meanwhile.
+streams go on meanwhile. A client may also pause single requests (its own caller does not
+read them): they wait alone, and resume where they were.
 """
 
 from __future__ import annotations
@@ -104,3 +105,28 @@ async def test_a_reader_that_stops_reading_pauses_its_stream_only(engine):
         assert finishes == {rid: 1 for rid in finishes}
         await wait_idle(stub)
         assert (await stub.GetLoad(pb.GetLoadRequest())).load.num_paused == 0
+
+
+async def test_a_paused_request_waits_alone_and_resumes_where_it_was(engine):
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        stream = EngineStream(channel)
+        held = stream.add("held", [11, 12, 13, 14, 15], max_tokens=120, ignore_eos=True)
+        await held.first_output.wait()
+        stream.pause("held", "unknown")  # an id the stream never added is ignored
+        await _poll_load(stub, lambda load: load.num_paused == 1, timeout=30)
+        num_before = len(held.token_ids)
+        other = stream.add("other", [5, 6, 7], max_tokens=40, ignore_eos=True)
+        await stream.wait("other", timeout=30)  # the stream's other requests go on
+        assert len(other.token_ids) == 40
+        assert len(held.token_ids) == num_before < 120 and not held.done.is_set()
+        paused = (await stub.GetLoad(pb.GetLoadRequest())).load
+        assert (paused.num_paused, paused.num_running, paused.num_used_blocks) == (1, 0, 0)  # no KV blocks held
+
+        stream.resume("held")
+        await stream.wait("held", timeout=30)
+        # From where it was: the tokens before the pause count towards max_tokens; it ends once.
+        assert len(held.token_ids) == 120 and held.num_finishes == 1
+        stream.close()
+        await stream.finished()
+        assert (await wait_idle(stub)).num_paused == 0

@@ -63,14 +63,30 @@ ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_NOT_FOUND: ErrorCode
 
 class StreamRequest(_message.Message):
-    __slots__ = ("add", "abort", "subscribe_kv_events")
+    __slots__ = ("add", "abort", "subscribe_kv_events", "pause_requests", "resume_requests")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBE_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     add: Add
     abort: Abort
     subscribe_kv_events: SubscribeKvEvents
-    def __init__(self, add: _Optional[_Union[Add, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., subscribe_kv_events: _Optional[_Union[SubscribeKvEvents, _Mapping]] = ...) -> None: ...
+    pause_requests: PauseRequests
+    resume_requests: ResumeRequests
+    def __init__(self, add: _Optional[_Union[Add, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., subscribe_kv_events: _Optional[_Union[SubscribeKvEvents, _Mapping]] = ..., pause_requests: _Optional[_Union[PauseRequests, _Mapping]] = ..., resume_requests: _Optional[_Union[ResumeRequests, _Mapping]] = ...) -> None: ...
+
+class PauseRequests(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResumeRequests(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubscribeKvEvents(_message.Message):
     __slots__ = ()
