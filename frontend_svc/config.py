@@ -44,6 +44,14 @@ class FrontendConfig:
     port: int = 50050
     http_port: int | None = None  # None: no HTTP face; 0 picks a free port (service/http/)
     http_host: str | None = None  # None: the service's --host
+    # HTTP connections (service/http/connection.py): deadlines and caps, as nginx sets them.
+    http_idle_timeout_s: float = 20.0
+    http_header_timeout_s: float = 30.0
+    http_body_timeout_s: float = 60.0
+    http_max_connections: int = 4096  # 0: no limit
+    http_max_connections_per_address: int = 1024  # 0: no cap
+    http_max_header_bytes: int = 64 * 1024
+    http_max_header_fields: int = 128
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     tool_call_parser: str | None = None  # None: the format the chat template shows (text/tools)
     reasoning_parser: str | None = None  # None: no reasoning split
@@ -54,6 +62,7 @@ class FrontendConfig:
     max_concurrent_calls: int = 1024
     max_calls_per_client: int | None = None  # None: half of max_concurrent_calls; 0: no share (fair_share.py)
     stalled_client_timeout_s: float = 30.0
+    max_pending_output_bytes: int = 4 << 20  # per call: past it its engine requests pause (engine/handle.py)
     stream_interval: int = 0  # 0: adaptive coalescing; N: a message waits for N tokens
     # One chat-template render's budget, and the render processes per frontend process (text/chat_template/)
     chat_template_timeout_s: float = TemplateBudget.timeout_s
@@ -107,6 +116,19 @@ class FrontendConfig:
             problems.append("--max-calls-per-client must be >= 0 (0: no per-client limit)")
         if self.stalled_client_timeout_s < 0:
             problems.append("--stalled-client-timeout-s must be >= 0 (0: never)")
+        for flag, value in (
+            ("--http-idle-timeout-s", self.http_idle_timeout_s),
+            ("--http-header-timeout-s", self.http_header_timeout_s),
+            ("--http-body-timeout-s", self.http_body_timeout_s),
+        ):
+            if not 0 < value < math.inf:
+                problems.append(f"{flag} must be a positive number of seconds, got {value}")
+        if self.http_max_connections < 0 or self.http_max_connections_per_address < 0:
+            problems.append("--http-max-connections and --http-max-connections-per-address must be >= 0 (0: no limit)")
+        if self.http_max_header_bytes < 1024 or self.http_max_header_fields < 1:
+            problems.append("--http-max-header-bytes must be at least 1024 and --http-max-header-fields at least 1")
+        if self.max_pending_output_bytes < 64 * 1024:
+            problems.append("--max-pending-output-bytes must be at least 65536")
         if self.engine_stall_timeout_s <= 0:
             problems.append("--engine-stall-timeout-s must be positive")
         if self.engine_progress_timeout_s < 0:
@@ -274,6 +296,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument("--http-host", default=None, help="address the HTTP API listens on (default: the same as --host)")
     n.add_argument(
+        "--http-idle-timeout-s",
+        type=float_in(0.0, lo_open=True),
+        default=d.http_idle_timeout_s,
+        metavar="S",
+        help="an HTTP connection that sends nothing for this long, before its first request or between "
+        "requests (keep-alive), is closed",
+    )
+    n.add_argument(
+        "--http-header-timeout-s",
+        type=float_in(0.0, lo_open=True),
+        default=d.http_header_timeout_s,
+        metavar="S",
+        help="a request's line and headers must arrive within this long of their first byte: 408 and the "
+        "connection closed otherwise",
+    )
+    n.add_argument(
+        "--http-body-timeout-s",
+        type=float_in(0.0, lo_open=True),
+        default=d.http_body_timeout_s,
+        metavar="S",
+        help="a request's whole body must arrive within this long of its headers: 408 and the connection "
+        "closed otherwise (at the default and a 16 MiB body, about 2.2 Mbit/s)",
+    )
+    n.add_argument(
+        "--http-max-connections",
+        type=int_in(0),
+        default=d.http_max_connections,
+        metavar="N",
+        help="HTTP connections open at once (per --workers process), idle keep-alive ones included; more are "
+        "answered 503 and closed (0: no limit). Keep it well above --max-concurrent-calls",
+    )
+    n.add_argument(
+        "--http-max-connections-per-address",
+        type=int_in(0),
+        default=d.http_max_connections_per_address,
+        metavar="N",
+        help="HTTP connections one client address may hold open at once; more are answered 503 and closed "
+        "(0: no cap). Behind a proxy every caller shares its address: raise it or set 0",
+    )
+    n.add_argument(
+        "--http-max-header-bytes",
+        type=int_in(1024, 1 << 24),
+        default=d.http_max_header_bytes,
+        metavar="BYTES",
+        help="largest HTTP request line and headers together; larger heads get 431",
+    )
+    n.add_argument(
+        "--http-max-header-fields",
+        type=int_in(1),
+        default=d.http_max_header_fields,
+        metavar="N",
+        help="most header fields in an HTTP request; more get 431",
+    )
+    n.add_argument(
         "--max-message-bytes",
         type=message_bytes,
         default=d.max_message_bytes,
@@ -343,7 +419,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.stalled_client_timeout_s,
         metavar="S",
         help="a Generate call whose client reads nothing for this long while output waits (gRPC's buffers "
-        "for the call are full) is aborted in the engine and ends with RESOURCE_EXHAUSTED (0: never)",
+        "for the call are full) is aborted in the engine and ends with RESOURCE_EXHAUSTED; an HTTP connection "
+        "whose client reads nothing of its response for this long is closed and its requests aborted (0: never)",
+    )
+    r.add_argument(
+        "--max-pending-output-bytes",
+        type=int_in(64 * 1024),
+        default=d.max_pending_output_bytes,
+        metavar="BYTES",
+        help="output of one call (all its choices) that may wait in the frontend for its client to read it; "
+        "past it the call's engine requests pause (they give back their KV blocks) until the client reads, so a "
+        "slow reader slows only its own call",
     )
     r.add_argument(
         "--chat-template-timeout-s",

@@ -50,6 +50,12 @@ FRONTEND_REFUSED = [
     ("--chat-template-timeout-s", "nan", "a number in (0, 3600]"),
     ("--chat-template-max-bytes", "100", "an integer in [4096, 1073741824]"),
     ("--chat-template-workers", "0", "an integer in [1, 64]"),
+    ("--http-header-timeout-s", "0", "a number > 0"),
+    ("--http-idle-timeout-s", "nan", "a number > 0"),
+    ("--http-max-connections", "-1", "an integer >= 0"),
+    ("--http-max-header-bytes", "100", "an integer in [1024, 16777216]"),
+    ("--http-max-header-fields", "0", "an integer >= 1"),
+    ("--max-pending-output-bytes", "1000", "an integer >= 65536"),
 ]
 
 

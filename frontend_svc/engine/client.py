@@ -421,6 +421,7 @@ class EngineClient:
             if self.suspect:
                 self.suspect = False
                 logger.info("engine %s advances requests again", self.address)
+        to_pause = []
         for o in response.outputs:
             self._started(o.request_id)
             handle = self._requests.get(o.request_id)
@@ -432,6 +433,11 @@ class EngineClient:
                 del self._requests[o.request_id]
             if handle.deliver(out):
                 self._wake(handle)
+            if handle.wants_pause:  # its reader lags: the engine holds it until the reader takes its output
+                handle.paused = True
+                to_pause.append(handle.request_id)
+        if to_pause and self._outbox is not None:
+            self._outbox.put_nowait(convert.pause_requests(to_pause))
 
     def _started(self, request_id: str) -> None:
         self._unstarted_tokens -= self._unstarted.pop(request_id, 0)
@@ -460,11 +466,13 @@ class EngineClient:
         stream_interval: int = 0,
         num_prefill_tokens: int | None = None,
         lora_name: str | None = None,
+        max_pending_bytes: int = 0,
     ) -> RequestHandle:
         """Queue a request on this engine's stream; outputs arrive on the returned handle,
         which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle).
         ``num_prefill_tokens`` (default: the prompt's length) counts in ``load_tokens``
-        until the request's first output."""
+        until the request's first output. Past ``max_pending_bytes`` of unread output (0: no
+        bound) the request is paused in the engine until ``resume``."""
         if self._outbox is None or not self.connected:
             raise EngineUnavailableError(f"engine {self.address} is not connected")
         if request_id in self._requests:
@@ -486,7 +494,7 @@ class EngineClient:
                 "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
                 "logit_bias entries or stop token ids"
             )
-        handle = RequestHandle(request_id, wakeup, stream_interval)
+        handle = RequestHandle(request_id, wakeup, stream_interval, max_pending_bytes)
         self._requests[request_id] = handle
         self._outbox.put_nowait(message)
         self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
@@ -510,6 +518,12 @@ class EngineClient:
                 asyncio.get_running_loop().call_later(ABORT_CONFIRM_TIMEOUT_S, self._forget, handle)
         if ids and self._outbox is not None:
             self._outbox.put_nowait(convert.abort_request(ids, stop_string=stop_string))
+
+    def resume(self, handle: RequestHandle) -> None:
+        """Lets a request paused for its unread output run again (its reader took the output)."""
+        handle.paused = False
+        if not (handle.finished or handle.aborted) and self._outbox is not None:
+            self._outbox.put_nowait(convert.resume_requests([handle.request_id]))
 
     def _forget(self, handle: RequestHandle) -> None:
         if self._requests.get(handle.request_id) is handle:

@@ -63,6 +63,14 @@ def abort_request(request_ids: list[str], *, stop_string: bool = False) -> engin
     return engine_pb2.StreamRequest(abort=engine_pb2.Abort(request_ids=request_ids, reason=reason))
 
 
+def pause_requests(request_ids: list[str]) -> engine_pb2.StreamRequest:
+    return engine_pb2.StreamRequest(pause_requests=engine_pb2.PauseRequests(request_ids=request_ids))
+
+
+def resume_requests(request_ids: list[str]) -> engine_pb2.StreamRequest:
+    return engine_pb2.StreamRequest(resume_requests=engine_pb2.ResumeRequests(request_ids=request_ids))
+
+
 def subscribe_kv_events() -> engine_pb2.StreamRequest:
     return engine_pb2.StreamRequest(subscribe_kv_events=engine_pb2.SubscribeKvEvents())
 

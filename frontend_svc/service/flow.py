@@ -6,6 +6,11 @@
              ── calls.leave(call)
     sweeper (every second or so) ── a write waiting past --stalled-client-timeout-s ──▶ call task cancelled
 
+While a write waits, the call's engine outputs wait in the frontend (merged per request,
+engine/handle.py); past ``max_pending_bytes`` for the call (--max-pending-output-bytes,
+shared evenly by its n requests) a request is paused in the engine until the call reads
+its output, so what a call holds is bounded in bytes and a slow reader only slows itself.
+
 A write to the client waits only once gRPC's buffers for the call are full, that is when
 the client has stopped reading (HTTP/2 flow control). Past the timeout the call's task is
 cancelled; the servicer sees ``call.stalled``, aborts the engine requests (so the engine
@@ -63,13 +68,21 @@ class InFlightCalls:
     """The Generate calls in progress, at most ``max_calls`` (0: no limit) and at most
     ``max_calls_per_client`` of one client (0: no limit; ``keyed``: clients are told apart
     by API key, else by address); writes that wait longer than ``stalled_timeout_s`` (0:
-    never) cancel their call."""
+    never) cancel their call; a call's unread output past ``max_pending_bytes`` (0: no
+    bound) pauses its requests in the engine."""
 
     def __init__(
-        self, max_calls: int = 0, stalled_timeout_s: float = 0.0, *, max_calls_per_client: int = 0, keyed: bool = False
+        self,
+        max_calls: int = 0,
+        stalled_timeout_s: float = 0.0,
+        *,
+        max_calls_per_client: int = 0,
+        keyed: bool = False,
+        max_pending_bytes: int = 0,
     ) -> None:
         self.max_calls = max_calls
         self.stalled_timeout_s = stalled_timeout_s
+        self.max_pending_bytes = max_pending_bytes
         self.fair_share = FairShare(max_calls_per_client)
         self._keyed = keyed
         self._calls: set[Call] = set()
@@ -102,6 +115,19 @@ class InFlightCalls:
         if call in self._calls and call.client:
             self.fair_share.leave(call.client)
         self._calls.discard(call)
+
+    def pending_share(self, num_requests: int) -> int:
+        """The unread output one of a call's ``num_requests`` requests may hold, in bytes (0: no bound)."""
+        return self.max_pending_bytes // max(num_requests, 1)
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (
+            f"at most {self.max_calls or 'any number of'} Generate calls, "
+            f"{self.fair_share.max_calls_per_client or 'any number'} per client; a call's unread output paused "
+            f"in the engine past {self.max_pending_bytes} bytes, a client that reads nothing ended after "
+            f"{self.stalled_timeout_s:g} s"
+        )
 
     def stalled_message(self) -> str:
         return (

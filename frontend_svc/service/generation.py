@@ -231,6 +231,7 @@ class Generation:
                         stream_interval=self.stream_interval,
                         num_prefill_tokens=num_prefill_tokens,
                         lora_name=plan.lora_name,
+                        max_pending_bytes=self.calls.pending_share(plan.n),
                     )
                 )
             logger.debug(
@@ -246,6 +247,8 @@ class Generation:
                 # Everything that arrived while the client was slow is merged into one piece.
                 for i in sorted(unfinished):
                     merged = handles[i].take()
+                    if handles[i].paused:  # held for its unread output, which is taken now
+                        client.resume(handles[i])
                     if merged is None:
                         continue
                     # --stream-interval 1: one message per token, however the tokens came.

@@ -143,6 +143,7 @@ class FrontendServer:
                 config.stalled_client_timeout_s,
                 max_calls_per_client=config.calls_per_client,
                 keyed=bool(config.api_keys or config.api_key_file),
+                max_pending_bytes=config.max_pending_output_bytes,
             ),
             stream_interval=config.stream_interval,
             metrics=self.metrics,
@@ -209,6 +210,7 @@ class FrontendServer:
             ", API keys required" if keys else "",
             cfg.routing_policy,
         )
+        logger.info("calls: %s", self.servicer.calls.describe())
         if cfg.http_port is not None:
             await self._start_http(keys)
         self._write_ready_file(serving=False)
@@ -231,6 +233,7 @@ class FrontendServer:
 
     async def _start_http(self, keys: list[str]) -> None:
         from frontend_svc.service.http.app import HttpFace
+        from frontend_svc.service.http.connection import ConnectionLimits, reserve_file_descriptors
         from frontend_svc.service.http.server import Guard, HttpServer, http_requests_counter
 
         cfg = self.config
@@ -244,15 +247,27 @@ class FrontendServer:
             reuse_port=self.worker is not None,
             tls_cert=cfg.tls_cert,
             tls_key=cfg.tls_key,
-            max_connections=cfg.max_concurrent_calls or None,
+            limits=ConnectionLimits(
+                idle_timeout_s=cfg.http_idle_timeout_s,
+                header_timeout_s=cfg.http_header_timeout_s,
+                body_timeout_s=cfg.http_body_timeout_s,
+                send_timeout_s=cfg.stalled_client_timeout_s,
+                max_connections=cfg.http_max_connections,
+                max_connections_per_address=cfg.http_max_connections_per_address,
+                max_header_bytes=cfg.http_max_header_bytes,
+                max_header_fields=cfg.http_max_header_fields,
+            ),
             grace_s=cfg.shutdown_timeout,
         )
+        if (problem := reserve_file_descriptors(cfg.http_max_connections)) is not None:
+            logger.warning("%s", problem)
         self.http_port = await self.http.start()  # the chosen port with --http-port 0
         logger.info(
-            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages)",
+            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages); connections: %s",
             "https" if cfg.tls_cert else "http",
             cfg.http_host or cfg.host,
             self.http_port,
+            self.http.limits.describe(),
         )
 
     async def _set_health(self, serving: bool) -> None:

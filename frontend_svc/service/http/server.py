@@ -7,9 +7,9 @@ Never ``uvicorn.run``: it makes a second event loop, and the grpc.aio objects (e
 streams, the router) can be used only from the loop that made them. uvicorn's own signal
 handling is not installed either: the frontend's handlers decide when to drain. One
 ASGI layer in front of the app checks API keys (every path but /health) and counts
-requests by route and status. Limits: ``max_body_bytes`` per body (413, in app.py),
-HTTP_MAX_HEADER_BYTES of request line and headers (h11: 431 beyond), ``max_connections``
-open at once (503 beyond).
+requests by route and status. Limits: ``max_body_bytes`` per body (413, in app.py); the
+connections' deadlines and caps, and the head's size and fields (connection.py:
+``ConnectionLimits``, enforced by uvicorn's h11 protocol subclassed there).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import uvicorn
 from prometheus_client import Counter
 
 from frontend_svc.service.http import sse
+from frontend_svc.service.http.connection import ConnectionLimits, protocol_class
 from frontend_svc.service.http.errors import HttpError
 
 logger = logging.getLogger(__name__)
 
-HTTP_MAX_HEADER_BYTES = 64 * 1024
 ROUTES = frozenset(
     (
         "/health",
@@ -103,25 +103,28 @@ class HttpServer:
         reuse_port: bool = False,
         tls_cert: str | None = None,
         tls_key: str | None = None,
-        max_connections: int | None = None,
+        limits: ConnectionLimits | None = None,
         grace_s: float = 30.0,
     ) -> None:
         self.host = host.strip("[]")
         self.port = port
         self.reuse_port = reuse_port
+        self.limits = limits or ConnectionLimits()
         self.config = uvicorn.Config(
             app,
             host=self.host,
             port=port,
-            http="h11",  # pure Python, and its header limit is a setting (h11_max_incomplete_event_size)
+            # uvicorn's h11 protocol (pure Python, the head's byte limit a setting of h11) with
+            # the connections' deadlines and caps; the call limit is the servicer's, not this.
+            http=protocol_class(self.limits),
             loop="none",  # the running loop: never a second one
             lifespan="off",
             log_config=None,  # the frontend's logging as it is set up
             access_log=False,  # each generation request has its own log line (request_stats)
             ssl_certfile=tls_cert,
             ssl_keyfile=tls_key,
-            limit_concurrency=max_connections,
-            h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
+            h11_max_incomplete_event_size=self.limits.max_header_bytes,
+            timeout_keep_alive=math.ceil(self.limits.idle_timeout_s),  # the protocol's own idle deadline comes first
             timeout_graceful_shutdown=math.ceil(grace_s),
             server_header=False,
         )
