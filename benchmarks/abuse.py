@@ -19,8 +19,9 @@ before a change: compare the two outputs. Scenarios:
 and those of benchmarks/abuse_frontend.py (prefix-flood, black-hole, fair-share,
 metrics-flood, chat-role, stale-ready), benchmarks/abuse_engine_input.py (adapter-regex,
 adapter-nan, lora-fresh, gguf-*), benchmarks/abuse_template.py (template-loop,
-template-bomb, template-recursion, template-start) and benchmarks/abuse_ops.py
-(dead-loop-shutdown).
+template-bomb, template-recursion, template-start), benchmarks/abuse_ops.py
+(dead-loop-shutdown) and benchmarks/abuse_http.py (slowloris-idle, slowloris-trickle,
+unread-http-streams, unread-grpc-streams).
 """
 
 from __future__ import annotations
@@ -178,10 +179,11 @@ async def run(names: list[str], model: Path, frontend_args: tuple[str, ...]) -> 
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.abuse_engine_input import SCENARIOS as ENGINE_INPUT_SCENARIOS
     from benchmarks.abuse_frontend import SCENARIOS as FRONTEND_SCENARIOS
+    from benchmarks.abuse_http import SCENARIOS as HTTP_SCENARIOS
     from benchmarks.abuse_ops import SCENARIOS as OPS_SCENARIOS
     from benchmarks.abuse_template import SCENARIOS as TEMPLATE_SCENARIOS
 
-    for more in (FRONTEND_SCENARIOS, ENGINE_INPUT_SCENARIOS, TEMPLATE_SCENARIOS, OPS_SCENARIOS):
+    for more in (FRONTEND_SCENARIOS, ENGINE_INPUT_SCENARIOS, TEMPLATE_SCENARIOS, OPS_SCENARIOS, HTTP_SCENARIOS):
         SCENARIOS.update(more)
     p = argparse.ArgumentParser(prog="benchmarks.abuse", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="repeatable; default: all")

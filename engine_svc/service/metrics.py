@@ -32,7 +32,9 @@ class EngineMetrics(RequestListener):
         self.running = Gauge("tandem_engine_requests_running", "Requests being computed", registry=r)
         self.waiting = Gauge("tandem_engine_requests_waiting", "Requests queued", registry=r)
         self.paused = Gauge(
-            "tandem_engine_requests_paused", "Requests held back because their stream's reader lags", registry=r
+            "tandem_engine_requests_paused",
+            "Requests held back because their stream's or their caller's reader lags",
+            registry=r,
         )
         self.kv_usage = Gauge("tandem_engine_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.hit_rate = Gauge(
