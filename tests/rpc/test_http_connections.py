@@ -13,7 +13,9 @@ loopback addresses (127.0.0.2, ...) play the attackers.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import ssl
 import time
 
 import grpc
@@ -211,3 +213,24 @@ def test_lone_surrogates_get_400_naming_the_field(served, path, body, param):
 def test_a_surrogate_pair_is_text(served):
     body = '{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2, "temperature": 0}'
     assert httpx.post(served[2] + "/v1/completions", content=body.encode(), timeout=30).status_code == 200
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_the_deadlines_hold_over_tls(engine_proc, tmp_path):
+    from tests.rpc.test_frontend_tls import make_pki
+
+    pki = make_pki(tmp_path)
+    tls = ("--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))
+    frontend = start_frontend(engine_proc.address, extra=(*tls, *FRONTEND_ARGS))
+    try:
+        port = int(http_base(frontend).rsplit(":", 1)[1])
+        context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        idle = context.wrap_socket(_connect(port), server_hostname="localhost")  # the handshake, then nothing
+        head = context.wrap_socket(_connect(port), server_hostname="localhost")
+        head.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")
+        t0 = time.monotonic()
+        assert _read_to_close(idle) == b""
+        assert _read_to_close(head).startswith(b"HTTP/1.1 408 ")
+        assert time.monotonic() - t0 < 8
+    finally:
+        frontend.terminate()
