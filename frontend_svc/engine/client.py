@@ -56,6 +56,7 @@ from frontend_svc.engine.channel import (
     tokenizer_digests,
 )
 from frontend_svc.engine.handle import RequestHandle
+from frontend_svc.engine.model_view import EngineModelView
 from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.wakeups import Wakeups, read_stream
 from frontend_svc.engine.watchdog import (
@@ -114,7 +115,7 @@ class EngineClient:
         self.refused: str | None = None  # why the router refuses this engine's model
         self.suspect = False  # the progress watchdog fired; cleared by its next output
         self.load = EngineLoad()
-        self.model_info: ModelInfo | None = None
+        self.model = EngineModelView(address, self._fetch_model_info, on_change)  # model info, adapters
         self._credentials = credentials
         self._tls_server_name = tls_server_name
         self._max_message_bytes = max_message_bytes
@@ -140,8 +141,6 @@ class EngineClient:
         self._hung: str | None = None  # set by the watchdog just before it ends the session
         self._closed = False
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
-        self._lora_version: int | None = None  # of the adapters in model_info; None: not known yet
-        self._lora_refresh: asyncio.Task | None = None
 
     # -- routing figures -------------------------------------------------------------------
 
@@ -165,8 +164,7 @@ class EngineClient:
         once, before the engine reports it; until their first token such requests may be
         counted twice (also as waiting), which errs towards spreading a burst.
         """
-        block_size = self.model_info.block_size if self.model_info is not None else 16
-        return self.load.num_waiting_tokens + self.load.num_used_blocks * block_size + self._unstarted_tokens
+        return self.load.num_waiting_tokens + self.load.num_used_blocks * self.model.block_size + self._unstarted_tokens
 
     @property
     def predicts_prefix_hits(self) -> bool:
@@ -178,35 +176,34 @@ class EngineClient:
         """How this engine serves, for judging the others against it (watchdog.py)."""
         return self._progress.pace(now)
 
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self.model.info
+
+    @model_info.setter
+    def model_info(self, info: ModelInfo | None) -> None:
+        self.model.info = info
+
     def serves(self, lora_name: str | None) -> bool:
-        """Whether the engine serves LoRA adapter ``lora_name`` (None: the base model)."""
-        return lora_name is None or (self.model_info is not None and lora_name in self.model_info.lora_adapters)
+        return self.model.serves(lora_name)
 
     def lora_digest(self, lora_name: str | None) -> bytes | None:
-        """The adapter's digest, the parent of its requests' first block hash (None: base)."""
-        if lora_name is None or self.model_info is None:
-            return None
-        return self.model_info.lora_adapters.get(lora_name)
+        return self.model.lora_digest(lora_name)
 
     async def refresh_model_info(self) -> None:
         """Ask the engine for its model info again: its LoRA adapters may have changed."""
+        await self.model.refresh()
+
+    async def _fetch_model_info(self) -> ModelInfo | None:
         if self._stub is None or not self.connected:
-            return
+            return None
         try:
-            info = convert.model_info(
+            return convert.model_info(
                 await self._stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
             )
         except grpc.aio.AioRpcError as e:
             logger.debug("engine %s: GetModelInfo failed: %s", self.address, e.code().name)
-            return
-        old = self.model_info.lora_adapters if self.model_info is not None else {}
-        if info.lora_adapters != old:
-            logger.info(
-                "engine %s serves LoRA adapters: %s", self.address, ", ".join(sorted(info.lora_adapters)) or "none"
-            )
-        self.model_info = info
-        if self._on_change is not None:
-            self._on_change()
+            return None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -265,9 +262,8 @@ class EngineClient:
             if problem is not None:
                 raise _EngineRefusedError(problem)
         self._set_refused(None)
-        self.model_info = model_info
+        self.model.start_session(model_info)
         self._stub = stub
-        self._lora_version = None
         outbox: asyncio.Queue = asyncio.Queue()
         if self.predicts_prefix_hits:
             assert self._index is not None
@@ -395,10 +391,7 @@ class EngineClient:
         if self.load != previous:
             self._progress.progressed()
         self._last_load_s = time.monotonic()
-        if self.load.lora_version != self._lora_version and self.model_info is not None:
-            self._lora_version = self.load.lora_version
-            if self._lora_refresh is None or self._lora_refresh.done():
-                self._lora_refresh = asyncio.create_task(self.refresh_model_info())
+        self.model.saw_lora_version(self.load.lora_version)
         if self.load.draining != was_draining:
             logger.info("engine %s %s", self.address, "is draining" if self.load.draining else "accepts requests again")
             if self._on_change is not None:
