@@ -273,7 +273,7 @@ class EngineClient:
             logger.warning(
                 "engine %s hashes prefix-cache blocks as %r, this frontend as %r: no prefix-aware routing to it",
                 self.address,
-                self.model_info.block_hash_algorithm or "(unnamed)",
+                model_info.block_hash_algorithm or "(unnamed)",
                 " or ".join(BLOCK_HASH_ALGORITHMS),
             )
         call = stub.Stream(_drain(outbox))
@@ -285,8 +285,8 @@ class EngineClient:
         logger.info(
             "engine %s connected: model %s, max_model_len %d",
             self.address,
-            self.model_info.model_name,
-            self.model_info.max_model_len,
+            model_info.model_name,
+            model_info.max_model_len,
         )
         watchdog = asyncio.create_task(self._watch(stub, call))
         try:
