@@ -381,6 +381,54 @@ def test_prefill_attention_matches_sdpa(kernels, dtype, num_heads, num_kv_heads,
     _close(out[num_decodes:], want, dtype, rtol=2e-5)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", ATTENTION_SHAPES + [(9, 3, 64, 32)])
+def test_a_prefill_row_has_its_decode_rows_bits(kernels, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    """Every token of a prefill chunk gets the bits of the decode row of the same position
+    (what speculative decoding's exactness rests on: a draft verified as a decode row, an
+    output token recomputed in a prefill chunk after a preemption, a prompt cut into chunks
+    of another length when drafts take part of a step's budget), and so the same bits in
+    chunks of any length."""
+    if not kernels.supports_prefill_attention(head_dim):
+        pytest.skip(f"head_dim {head_dim} is not a whole number of vectors for this build")
+    g = torch.Generator().manual_seed(3 * num_heads + head_dim)
+    starts = torch.tensor([0, 37, 5, 16, 0, 3], dtype=torch.int32)
+    lens = torch.tensor([20, 23, 1, 17, 70, 130], dtype=torch.int32)
+    max_blocks = -(-int((starts + lens).max()) // block_size)
+    num_blocks = len(lens) * max_blocks + 3
+    k_cache, v_cache = _caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, g)
+    table = torch.randperm(num_blocks, generator=g).to(torch.int32)[: len(lens) * max_blocks]
+    table = table.view(len(lens), max_blocks).contiguous()
+    total = int(lens.sum())
+    qkv = (torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 3).to(dtype)
+    q = qkv[:, : num_heads * head_dim]
+    rows = (torch.cumsum(lens, 0) - lens).to(torch.int32)
+    scale = head_dim**-0.5
+    prefill = torch.empty(total, num_heads, head_dim, dtype=dtype)
+    kernels.prefill_attention(prefill, q, k_cache, v_cache, table, rows, starts, lens, scale)
+    # The same tokens as decode rows: row i of chunk c at position starts[c] + i.
+    chunk_of = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    ctx = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts.tolist(), lens.tolist())]).to(torch.int32)
+    decode = torch.empty_like(prefill)
+    kernels.decode_attention(decode, q, k_cache, v_cache, table[chunk_of].contiguous(), ctx, int(ctx.max()), scale)
+    assert torch.equal(_bits(prefill), _bits(decode))
+    # One chunk cut in two at any point: the same bits again.
+    c = 5
+    for cut in (1, 15, 16, 17, 64, 129):
+        two = torch.empty(int(lens[c]), num_heads, head_dim, dtype=dtype)
+        qc = q[int(rows[c]) : int(rows[c]) + int(lens[c])]
+        kernels.prefill_attention(
+            two, qc, k_cache, v_cache, table[[c, c]].contiguous(), torch.tensor([0, cut], dtype=torch.int32),
+            torch.tensor([int(starts[c]), int(starts[c]) + cut], dtype=torch.int32),
+            torch.tensor([cut, int(lens[c]) - cut], dtype=torch.int32), scale,
+        )  # fmt: skip
+        assert torch.equal(_bits(two), _bits(prefill[int(rows[c]) : int(rows[c]) + int(lens[c])]))
+
+
 def test_kernels_refuse_wrong_inputs(kernels):
     q = torch.zeros(2, 4 * 16)
     out = torch.zeros(2, 4, 16)
