@@ -1,9 +1,9 @@
 """Speculative decoding is exact in bfloat16 too: greedy and seeded outputs equal the
 outputs without drafts, with prompt lookup and with a draft model.
 
-In bfloat16 one rounding step is 2^-8 of a value, so two computations of a token that
-differ in their last float32 bit now and then differ by a whole bfloat16 step, enough to
-turn a near tie. Speculation moves work between the engine's kernels: a draft is verified
+A bfloat16 value's step is 2^-8 to 2^-7 of it, so two computations of a token that differ
+in their last float32 bit now and then differ by a whole bfloat16 step, enough to turn a
+near tie. Speculation moves work between the engine's kernels: a draft is verified
 as a decode row, a request preempted at another moment recomputes its output tokens in a
 prefill chunk, and a prompt is cut into other chunks when drafts take part of a step's
 budget. So every token must get the same bits whichever kernel computes it and whatever

@@ -1,8 +1,9 @@
 """Paged attention on the native CPU kernels (engine_svc/model/native/attention.c).
 
 Nothing is gathered and no mask is built: one call per layer reads every decode row's
-blocks in place, and one more runs every prefill chunk, flash-attention style, over the
-paged cache, which holds the chunk's own K/V by then. The kernels take the step's block
+blocks in place, and one more runs every prefill chunk over the paged cache, which holds
+the chunk's own K/V by then, each query vector with the decode kernel's arithmetic
+(native/attention_row.h: a token's output has the same bits from either call). The kernels take the step's block
 table as int32 ``[rows, max_blocks]`` and per-chunk rows, starts and lengths as int32, and
 read q's heads in place: ``[num_tokens, heads * hd]`` with q's row stride.
 """

@@ -6,7 +6,7 @@ Sources (C, shipped in the package): ``gemm.c`` (the linear layers, weights pack
 time, float32 or bfloat16; bfloat16 dot products in the AVX512-BF16 build, ``gemm_bf16.h``),
 ``elementwise.c`` (RMSNorm with the residual add, SiLU-and-multiply, RoPE) and
 ``attention.c`` and ``attention_prefill.c`` (decode and prefill attention reading the paged KV cache in
-place).
+place, one query vector's arithmetic shared in ``attention_row.h``).
 ``cpu.py`` reads the CPU's flags at run time and picks a build (AVX2, AVX512,
 AVX512-BF16); ``build.py`` compiles it with the system's C compiler (``$CC``, else
 ``cc``) into a cache keyed by the sources and flags, so a build never runs on a CPU it was

@@ -7,9 +7,10 @@
 
 Every row's K/V is in the cache before attention runs (``write_kv`` comes first), so row
 ``p + j`` attends to positions ``0 .. p + j`` exactly as it would decoding alone: the
-same kernel, the same context, the same result as without drafts. Handing the 1 + k rows
-to the prefill kernel instead costs several times more on CPU: it is built for long
-chunks and pays its tiling set-up per request and head for a handful of rows.
+same kernel, the same context, the same result as without drafts. (The prefill kernel
+would give the same bits, the kernels sharing a row's arithmetic, native/attention_row.h,
+but it is built for long chunks and pays its set-up per request and head, which a handful
+of rows do not repay.)
 """
 
 from __future__ import annotations
