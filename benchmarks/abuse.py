@@ -15,6 +15,7 @@ before a change: compare the two outputs. Scenarios:
     hung-engine     the engine is stopped (SIGSTOP) mid-stream: seconds until the call ends
     slow-reader     the engine is killed while a slow reader's output waits: seconds to the end
     nested-schema, regex-bomb, bomb-memory, cancelled-compiles: structured output (abuse_structured.py)
+    spec-bf16       speculation in bfloat16 with every request preempted: outputs changed (abuse_spec.py)
 
 and those of benchmarks/abuse_frontend.py (prefix-flood, black-hole, fair-share,
 metrics-flood, chat-role, stale-ready), benchmarks/abuse_engine_input.py (adapter-regex,
@@ -35,6 +36,7 @@ from pathlib import Path
 import grpc
 
 from benchmarks.abuse_kit import BIG, SMALL_WINDOW, Victim, outcome, req, rss_mib
+from benchmarks.abuse_spec import SCENARIOS as SPEC_SCENARIOS
 from benchmarks.abuse_structured import SCENARIOS as STRUCTURED_SCENARIOS
 from tandem_protos.tandem.generate.v1 import generate_pb2_grpc
 from tests.rpc.frontend_calls import engine_load
@@ -162,6 +164,7 @@ SCENARIOS = {
     "hung-engine": hung_engine,
     "slow-reader": slow_reader,
     **STRUCTURED_SCENARIOS,
+    **SPEC_SCENARIOS,
 }
 
 
