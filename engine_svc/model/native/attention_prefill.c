@@ -12,15 +12,16 @@
  * at any offset, or a decode row (a draft verified with a request's last token, an output
  * token recomputed after a preemption): greedy and seeded outputs do not depend on how
  * the scheduler cut the work into steps. (A flash-attention order, an online softmax per
- * block, and bfloat16 dot products over bfloat16 pairs ran faster here, and gave each
- * token other bits than its decode row: in bfloat16 rows enough, on a real model, to turn
- * a near tie.)
+ * block, and bfloat16 dot products over bfloat16 pairs ran about 1.3x faster in float32
+ * and 2x in bfloat16, and gave each token other bits than its decode row: in bfloat16
+ * enough, on a real model, to turn near ties after a preemption. benchmarks/README.md,
+ * "Exact in bfloat16", has the figures and a dot-product variant of both kernels.)
  *
  * Work items are (chunk, tile of QT query tokens, KV head), heaviest first, handed out by
  * one counter. An item holds its group's QT * group query vectors, and walks its context
  * span by span (attention_row.h's spans) twice: scoring every vector that sees the span
  * while the span's keys are in L1, then, after each vector's softmax, adding the span's
- * values to every vector that sees it, each value vector loaded once for HC of them.
+ * values to every vector that sees it, each value vector loaded once for WS_ROWS of them.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -43,8 +44,9 @@ static int by_context_desc(const void *a, const void *b) {
 
 /* Per-thread buffers of an item: qf [rows][hd] (the query vectors in float32, pre-scaled),
  * o [rows][hd] (their sums), s [rows][s_stride] (each vector's scores, then its softmax),
- * len [rows] (each vector's context), span [SPAN][hd] (a span's keys or values of the item's KV head, widened to float32 once
- * for every vector that reads them: the values the kernel would widen at each read). */
+ * len [rows] (each vector's context), span [SPAN][hd] (a span's keys or values of the
+ * item's KV head, widened to float32 once for every vector that reads them: the values
+ * the decode kernel widens at each read). */
 typedef struct {
     float *qf, *o, *s, *span;
     size_t s_stride;
