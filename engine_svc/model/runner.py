@@ -96,6 +96,7 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len(
             model_dir, max_model_len, default_pool=num_kv_blocks is None and kv_cache_bytes is None
         )
+        self.rope_positions = self._rope_positions(model_dir, num_kv_blocks, kv_cache_bytes)
         self.model, self.model_args, backend = self._load_model(
             model_dir, kernels, batch_size_hint, quantization, activation_quantization
         )
@@ -142,7 +143,7 @@ class ModelRunner:
             batch_size_hint=batch_size_hint,
             quantization=quantization,
             activation_quantization=activation_quantization,
-            rope_positions=self.max_model_len,
+            rope_positions=self.rope_positions,
         )
 
     def _resolve_dtype(self, dtype: str, model_dir: str, quantization: str | None) -> torch.dtype:
@@ -167,6 +168,7 @@ class ModelRunner:
             target_dir=model_dir,
             target_vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
+            rope_positions=self.rope_positions,
             block_size=self.block_size,
             device=self.device,
             dtype=self.dtype,
@@ -211,6 +213,26 @@ class ModelRunner:
                 bytes_per_block=block_bytes, block_size=self.block_size, max_model_len=resolved, device=self.device
             )
         return resolved
+
+    def _rope_positions(self, model_dir: str, num_kv_blocks: int | None, kv_cache_bytes: int | None) -> int:
+        """Positions the native rotary tables hold (the target's and the draft model's): the
+        served context, and no more than a pool given by flag holds, since a request's every
+        token has a slot in the pool at once (a config's context length alone, 2^40 say, must
+        not size a table beside a small explicit pool). The default pool is sized later, but
+        one full-length request fits it (``_resolve_max_model_len``)."""
+        if num_kv_blocks is None and kv_cache_bytes is not None:
+            args = ModelArgs.from_hf_config(read_config(model_dir))
+            block_bytes = bytes_per_block(
+                num_layers=args.num_layers,
+                block_size=self.block_size,
+                num_kv_heads=args.num_kv_heads,
+                head_dim=args.head_dim,
+                dtype=self.kv_dtype,
+            )
+            num_kv_blocks = kv_cache_bytes // block_bytes  # an upper bound: a draft model's blocks share the bytes
+        if num_kv_blocks is None:
+            return self.max_model_len
+        return max(1, min(self.max_model_len, num_kv_blocks * self.block_size))
 
     def _size_kv_cache(
         self, num_kv_blocks: int | None, kv_cache_bytes: int | None, max_num_seqs: int

@@ -237,6 +237,19 @@ def test_max_model_len_sizes_the_rope_table_not_the_models_context(long_context_
     assert runner.model.rotary.cos_sin.shape[0] == 512  # not the 1,048,576 positions of the model's context
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the native rotary table needs the native kernels")
+@pytest.mark.parametrize("pool", [{"num_kv_blocks": 64}, {"kv_cache_bytes": 64 * 16 * 512}])
+def test_a_pool_given_by_flag_bounds_the_rope_table(long_context_model, pool):
+    from engine_svc.model.runner import ModelRunner
+
+    # No --max-model-len: the model's context, 1,048,576 tokens, is served; but a pool of 64
+    # blocks of 16 holds 1,024 tokens, and no request can ever reach a position past them.
+    runner = ModelRunner(str(long_context_model), device="cpu", dtype="float32", block_size=16,
+                         **{"num_kv_blocks": None, "kv_cache_bytes": None, **pool}, max_model_len=None)  # fmt: skip
+    assert runner.max_model_len == 1 << 20
+    assert runner.model.rotary.cos_sin.shape[0] == 1024
+
+
 def test_a_context_no_memory_holds_is_refused_before_the_weights_load(long_context_model, monkeypatch):
     from engine_svc.model.runner import ModelRunner
 

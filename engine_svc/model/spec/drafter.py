@@ -72,6 +72,7 @@ class DraftModel:
         target_dir: str,
         target_vocab_size: int,
         max_model_len: int,
+        rope_positions: int,
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -89,6 +90,7 @@ class DraftModel:
             dtype=dtype,
             batch_size_hint=batch_size_hint,
             quantization=quantization,
+            rope_positions=rope_positions,  # the target's: its own context length must not size the table
         )
         check_same_vocabulary(target_dir, model_dir, target_vocab_size, self.args.vocab_size)
         if self.args.max_position_embeddings < max_model_len:
