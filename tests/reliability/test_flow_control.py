@@ -83,11 +83,15 @@ async def test_a_client_that_stops_reading_is_aborted_in_the_engine(demo_model_d
         async with grpc.aio.insecure_channel(frontend.address) as channel:
             parked = stub_of(parked_channel).Generate(heavy(max_tokens=1900, n=4))
             await asyncio.wait_for(parked.read(), 60)
-            # It reads no more: within the window plus the timeout the engine stops computing
-            # for it (4 x 1900 tokens would take far longer), while others are served.
+            # It reads no more: the engine soon stops computing for it (4 x 1900 tokens would
+            # take far longer), paused once its unread output passes the call's bound, while
+            # others are served; and once its write has waited the timeout, the call ends.
             await wait_engine_drained(engine.address, timeout=30)
             other = await generate(stub_of(channel), text="meanwhile", params=dict(max_tokens=4, ignore_eos=True))
             assert other[-1].usage.completion_tokens == 4
+            deadline = time.monotonic() + 30
+            while " RESOURCE_EXHAUSTED: " not in frontend.log() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
             code, details, finished = await read_rest(parked)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
     assert "read none of its stream for 1 s" in details and "(--stalled-client-timeout-s)" in details
