@@ -8,9 +8,10 @@
 Both stages are optional: without a reasoning parser all text goes to the tool parser;
 without tools (or with tool_choice none) the content is the text after the thought. Tool
 calls are looked for only after the thought ends, so a call the model drafts while
-thinking is never returned. ``complete`` parses a whole output by the same rules; its
-result equals the deltas joined (content and reasoning exactly, calls by name, id and
-arguments as the same JSON value).
+thinking is never returned. ``message``, after ``finish``, is the whole answer from the
+same parse; it equals the deltas joined (content and reasoning exactly, calls by name, id
+and arguments as the same JSON value), except where max_tokens cut a call short or a
+call's text is no valid JSON: the deltas carry that call, the message its text as content.
 
 Call ids are made here, one per call index, and shared by the streamed pieces and the
 complete parse, so a client that joins the pieces and one that reads the final message
@@ -22,7 +23,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from frontend_svc.text.reasoning import ReasoningParser, split_reasoning
+from frontend_svc.text.reasoning import ReasoningParser
 from frontend_svc.text.tools import ToolCallFormat, ToolCallParser
 
 
@@ -83,6 +84,8 @@ class MessageParser:
         self._reasoning = ReasoningParser(fmt.starts_in_thought) if fmt.reasoning else None
         self._tools: ToolCallParser | None = fmt.tools.new_parser() if fmt.tools is not None else None
         self._ids: list[str] = []
+        self._reasoning_text: list[str] = []
+        self._content_text: list[str] = []  # without tools: the content, for the message
 
     def call_id(self, index: int) -> str:
         while len(self._ids) <= index:
@@ -91,18 +94,33 @@ class MessageParser:
 
     def feed(self, text: str) -> MessageDelta:
         if self._reasoning is None:
-            return self._body(text, final=False)
+            return self._kept(self._body(text, final=False))
         split = self._reasoning.feed(text)
         out = self._body(split.content, final=False)
         out.reasoning = split.reasoning
-        return out
+        return self._kept(out)
 
     def finish(self) -> MessageDelta:
         if self._reasoning is None:
-            return self._body("", final=True)
+            return self._kept(self._body("", final=True))
         split = self._reasoning.finish()
         out = self._body(split.content, final=True)
         out.reasoning = split.reasoning
+        return self._kept(out)
+
+    def message(self) -> AssistantMessage:
+        """The whole answer (after ``finish``), with the ids the pieces carried."""
+        reasoning = "".join(self._reasoning_text)
+        if self._tools is None:
+            return AssistantMessage("".join(self._content_text), reasoning)
+        parsed = self._tools.message()
+        calls = tuple(FinishedCall(self.call_id(i), c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
+        return AssistantMessage("" if self.fmt.calls_only else parsed.content, reasoning, calls)
+
+    def _kept(self, out: MessageDelta) -> MessageDelta:
+        self._reasoning_text.append(out.reasoning)
+        if self._tools is None:
+            self._content_text.append(out.content)
         return out
 
     def _body(self, text: str, final: bool) -> MessageDelta:
@@ -126,15 +144,3 @@ class MessageParser:
                     )
                 )
         return out
-
-    def complete(self, text: str) -> AssistantMessage:
-        """The whole output ``text`` parsed at once, with the ids the pieces carried."""
-        reasoning, body = "", text
-        if self.fmt.reasoning:
-            split = split_reasoning(text, self.fmt.starts_in_thought)
-            reasoning, body = split.reasoning, split.content
-        if self.fmt.tools is None:
-            return AssistantMessage(body, reasoning)
-        parsed = self.fmt.tools.parse(body)
-        calls = tuple(FinishedCall(self.call_id(i), c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
-        return AssistantMessage("" if self.fmt.calls_only else parsed.content, reasoning, calls)

@@ -135,7 +135,6 @@ class ChoiceProcessor:
         self._prompt_logprobs: list[LogprobText] = []
         self._prompt_logprobs_sent = not params.prompt_logprobs
         self._message = MessageParser(params.message) if params.message.active else None
-        self._raw_text: list[str] = []  # the text before the split, for the final message
 
     def process(self, out: EngineOutput) -> ChoiceOutput | None:
         """Turns one (possibly merged) engine output into the choice's next piece.
@@ -192,14 +191,13 @@ class ChoiceProcessor:
 
     def _split(self, piece: ChoiceOutput, parser: MessageParser) -> None:
         """Replaces the piece's text by its content, reasoning and call pieces."""
-        self._raw_text.append(piece.text)
         delta = parser.feed(piece.text)
         if piece.finished:
             tail = parser.finish()
             delta.content += tail.content
             delta.reasoning += tail.reasoning
             delta.tool_calls.extend(tail.tool_calls)
-            piece.message = parser.complete("".join(self._raw_text))
+            piece.message = parser.message()
             if piece.message.tool_calls and piece.finish_reason is FinishReason.STOP:
                 piece.finish_reason = FinishReason.TOOL_CALLS
         piece.text, piece.reasoning, piece.tool_calls = delta.content, delta.reasoning, delta.tool_calls

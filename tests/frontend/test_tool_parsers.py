@@ -238,3 +238,44 @@ def test_output_nested_too_deep_for_python_is_text_not_a_crash(name):
     output = {"hermes": f"<tool_call>{deep}</tool_call>", "mistral": f"[TOOL_CALLS][{deep}]"}.get(name, deep)
     parsed = format_named(name).parse(output)
     assert not parsed.tool_calls and parsed.content
+
+
+# (format, output, calls streamed, message content (None: the output), calls in the message):
+# the stream carries every named call; the message only those whole and valid JSON, the
+# rest of their block as text.
+UNFINISHED = [
+    (
+        "hermes",
+        'Sure.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {"b"',
+        ["f", "g"],
+        'Sure.\n\n<tool_call>{"name": "g", "arguments": {"b"',
+        ["f"],
+    ),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1,}}</tool_call>', ["f"], None, []),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {', ["f", "g"], None, []),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{"b"', ["f", "g"], '[TOOL_CALLS]g[ARGS]{"b"', ["f"]),
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"b"',
+        ["f", "g"],
+        ' {"name": "g", "parameters": {"b"',
+        ["f"],
+    ),
+    ("llama3_json", '{"name": "f", "parameters": {"a": True}}', ["f"], None, []),
+    (
+        "json",
+        '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b"',
+        ["f", "g"],
+        ' {"name": "g", "arguments": {"b"',
+        ["f"],
+    ),
+]
+
+
+@pytest.mark.parametrize("fmt,text,streamed,content,names", UNFINISHED)
+def test_a_call_cut_short_or_not_json_streams_as_a_call_and_is_text_in_the_message(fmt, text, streamed, content, names):
+    for pieces in ([text], chunked(text, 1), chunked(text, 3)):
+        assert [c.name for c in run_incremental(fmt, pieces)[1]] == streamed
+    message = FORMATS[fmt].parse(text)
+    assert message.content == (text if content is None else content)
+    assert [c.name for c in message.tool_calls] == names

@@ -1,8 +1,9 @@
 """Tool-call parsers: the calls a model writes in its text, found while the text streams.
 
-One parser per format, each with an incremental parse (``feed`` text deltas, then
-``finish``) and a complete parse of a whole output (``parse``); the rules they share are
-in ``content`` (whitespace between calls) and ``scan`` (marker hold-back, JSON call objects).
+One parser per format, a state machine fed text deltas (``feed``, then ``finish``) whose
+``message`` is the complete parse, so a whole output (``parse``) is that parser fed it at
+once; the rules they share are in ``content`` (whitespace between calls, the message) and
+``scan`` (marker hold-back, JSON call objects).
 
     name          what the model writes                                        models
     hermes        <tool_call>{"name": ..., "arguments": {...}}</tool_call>      Hermes, Qwen2.5, Qwen3
@@ -22,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .leading import LeadingCallParser, parse_leading
-from .pythonic import PythonicCallParser, parse_pythonic
-from .tagged import TaggedCallParser, parse_tagged
+from .leading import LeadingCallParser
+from .pythonic import PythonicCallParser
+from .tagged import TaggedCallParser
 from .types import ParsedDelta, ParsedMessage, ToolCall, ToolCallDelta
 
 __all__ = [
@@ -45,40 +46,32 @@ class ToolCallParser(Protocol):
 
     def finish(self) -> ParsedDelta: ...
 
+    def message(self) -> ParsedMessage: ...
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """A format: its incremental parser's factory and its complete parse."""
+    """A format: its incremental parser's factory."""
 
     name: str
     new_parser: Callable[[], ToolCallParser]
-    parse: Callable[[str], ParsedMessage]
+
+    def parse(self, text: str) -> ParsedMessage:
+        """The complete parse of a whole output: the streaming parse, fed it at once."""
+        parser = self.new_parser()
+        parser.feed(text)
+        parser.finish()
+        return parser.message()
 
 
 FORMATS: dict[str, ToolCallFormat] = {
     f.name: f
     for f in (
-        ToolCallFormat(
-            "hermes",
-            lambda: TaggedCallParser("<tool_call>", "</tool_call>", allow_array=True),
-            lambda t: parse_tagged(t, "<tool_call>", "</tool_call>", allow_array=True),
-        ),
-        ToolCallFormat(
-            "llama3_json",
-            lambda: LeadingCallParser("<|python_tag|>", ";", allow_array=False),
-            lambda t: parse_leading(t, "<|python_tag|>", ";", allow_array=False),
-        ),
-        ToolCallFormat(
-            "mistral",
-            lambda: TaggedCallParser("[TOOL_CALLS]", None, allow_array=True, named_form=True),
-            lambda t: parse_tagged(t, "[TOOL_CALLS]", None, allow_array=True, named_form=True),
-        ),
-        ToolCallFormat("pythonic", PythonicCallParser, parse_pythonic),
-        ToolCallFormat(
-            "json",
-            lambda: LeadingCallParser(None, "", allow_array=True),
-            lambda t: parse_leading(t, None, "", allow_array=True),
-        ),
+        ToolCallFormat("hermes", lambda: TaggedCallParser("<tool_call>", "</tool_call>", allow_array=True)),
+        ToolCallFormat("llama3_json", lambda: LeadingCallParser("<|python_tag|>", ";", allow_array=False)),
+        ToolCallFormat("mistral", lambda: TaggedCallParser("[TOOL_CALLS]", None, allow_array=True, named_form=True)),
+        ToolCallFormat("pythonic", PythonicCallParser),
+        ToolCallFormat("json", lambda: LeadingCallParser(None, "", allow_array=True)),
     )
 }
 

@@ -1,16 +1,27 @@
 """Plain text around tool calls: released as it streams, except whitespace that only
-separates calls.
+separates calls; and the complete message, kept as the same parse goes.
 
 A segment is the text between two calls (or before the first, or after the last). A
 segment of only whitespace is dropped when the output holds any call, and kept when it
 holds none, so "\\n" between two calls never reaches the client but a plain answer keeps
 its trailing newline. A segment's text is held while it is all whitespace and released
 with the first other character.
+
+The complete message is the output's text with the spans that are calls cut out, by the
+same rule. A parser records a span once its calls are whole and valid JSON, so a call that
+max_tokens cut short, or whose text no JSON decoder reads, streams as a call but is text in
+the message:
+
+    Sure.\\n<tool_call>{"name": "f", ...}</tool_call>\\n<tool_call>{"name": "g", "argu
+    └ text ┘└ a call: a span ───────────────────────┘└ text (g cut short) ──────────┘
+    message: content 'Sure.\\n\\n<tool_call>{"name": "g", "argu', calls (f)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from .types import ParsedMessage, ToolCall
 
 
 class ContentSegments:
@@ -38,6 +49,43 @@ class ContentSegments:
         out = "" if self.num_calls else self._pending
         self._pending = ""
         return out
+
+
+class CallSpans:
+    """The output's text as fed, and the spans of it that the complete message holds as calls.
+    Positions count characters from the start of the output."""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self.length = 0  # characters fed so far
+        self._spans: list[tuple[int, int]] = []
+        self._calls: list[ToolCall] = []
+
+    def add(self, text: str) -> None:
+        self._pieces.append(text)
+        self.length += len(text)
+
+    @property
+    def end(self) -> int:
+        """Where the last span ends (0 before the first)."""
+        return self._spans[-1][1] if self._spans else 0
+
+    def calls(self, start: int, end: int, calls: Sequence[ToolCall]) -> None:
+        self._spans.append((start, end))
+        self._calls.extend(calls)
+
+    def extend(self, end: int) -> None:
+        """The last span reaches on to ``end`` (separators after a call that are not text)."""
+        self._spans[-1] = (self._spans[-1][0], end)
+
+    def message(self) -> ParsedMessage:
+        text = "".join(self._pieces)
+        segments, pos = [], 0
+        for start, end in self._spans:
+            segments.append(text[pos:start])
+            pos = end
+        segments.append(text[pos:])
+        return ParsedMessage(join_segments(segments, len(self._calls)), tuple(self._calls))
 
 
 def join_segments(segments: Sequence[str], num_calls: int) -> str:

@@ -2,10 +2,10 @@
 
     [get_weather(city="Paris", unit="celsius"), get_time()]
 
-optionally between ``<|python_start|>`` and ``<|python_end|>``. The list is held until its
-closing bracket (quote-aware), then parsed with ``ast``; argument values must be literals
-and are re-encoded as JSON. An output that does not start with ``[``, or a list that is not
-all calls, is content.
+optionally between ``<|python_start|>`` and ``<|python_end|>``. The list is held until the
+output ends, then parsed with ``ast``; argument values must be literals and are re-encoded
+as JSON. An output that does not start with ``[``, or a list that is not all calls, is
+content.
 """
 
 from __future__ import annotations
@@ -15,17 +15,21 @@ import json
 
 from .types import ParsedDelta, ParsedMessage, ToolCall, ToolCallDelta
 
-_START_TAG, _END_TAG = "<|python_start|>", "<|python_end|>"
+START_TAG, END_TAG = "<|python_start|>", "<|python_end|>"
 
 
 class PythonicCallParser:
+    """``feed`` each text delta, then ``finish`` once; ``message`` is then the complete parse."""
+
     def __init__(self) -> None:
-        self._buf = ""
-        self._decided = False
+        self._buf = ""  # a list held until the end, or nothing once the output is content
+        self._text: list[str] = []
         self._content = False
+        self._message = ParsedMessage("")
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
+        self._text.append(text)
         if self._content:
             out, self._buf = self._buf, ""
             return ParsedDelta(content=out)
@@ -41,27 +45,32 @@ class PythonicCallParser:
     def finish(self) -> ParsedDelta:
         text, self._buf = self._buf, ""
         if self._content:
+            self._message = ParsedMessage("".join(self._text))
             return ParsedDelta(content=text)
-        message = parse_pythonic(text)
+        self._message = parse_pythonic(text)
         return ParsedDelta(
-            content=message.content,
-            tool_calls=[ToolCallDelta(i, c.name, c.arguments) for i, c in enumerate(message.tool_calls)],
+            content=self._message.content,
+            tool_calls=[ToolCallDelta(i, c.name, c.arguments) for i, c in enumerate(self._message.tool_calls)],
         )
+
+    def message(self) -> ParsedMessage:
+        return self._message
 
 
 def _body(text: str) -> str:
     stripped = text.lstrip()
-    if stripped.startswith(_START_TAG):
-        stripped = stripped[len(_START_TAG) :].lstrip()
-    elif _START_TAG.startswith(stripped):
+    if stripped.startswith(START_TAG):
+        stripped = stripped[len(START_TAG) :].lstrip()
+    elif START_TAG.startswith(stripped):
         return ""
     return stripped
 
 
 def parse_pythonic(text: str) -> ParsedMessage:
+    """A whole output held as a list: its calls, or all of it as content."""
     body = _body(text).rstrip()
-    if body.endswith(_END_TAG):
-        body = body[: -len(_END_TAG)].rstrip()
+    if body.endswith(END_TAG):
+        body = body[: -len(END_TAG)].rstrip()
     if not body.startswith("["):
         return ParsedMessage(text)
     try:

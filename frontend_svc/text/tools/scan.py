@@ -10,6 +10,8 @@ soon as its string closes and the arguments as their characters arrive:
 
 Any other shape (arguments first, extra keys, a name that is not a string) is buffered and
 decoded whole when the object closes; an object that is not a call is handed back as text.
+Once the object closes it is decoded whole in either case, for the complete message: a call
+there has its arguments re-encoded, and a streamed call whose text is no valid JSON is none.
 Scanning is string- and escape-aware, so braces and closing tags inside strings never end
 an object.
 """
@@ -20,6 +22,8 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .types import ToolCall
 
 # The head of a call whose name comes first; the arguments' value starts at the match's end.
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -94,6 +98,7 @@ class CallPiece:
     arguments: str = ""
     done: bool = False  # the object closed
     not_a_call: str | None = None  # the object's text, when it closed and is not a call
+    call: ToolCall | None = None  # once closed: the call as the complete message holds it, if any
     leftover: str = ""  # text after the object
 
 
@@ -136,9 +141,10 @@ class CallObjectStream:
             return piece
         piece.done = True
         piece.leftover = self._text[end:]
+        decoded = decode_value(text, 0)
+        call = call_from_value(decoded[0]) if decoded else None
+        piece.call = None if call is None else ToolCall(*call)
         if self._args_pos is None:
-            decoded = decode_value(text, 0)
-            call = call_from_value(decoded[0]) if decoded else None
             if call is None:
                 piece.not_a_call = text
             else:

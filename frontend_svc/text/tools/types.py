@@ -1,9 +1,10 @@
 """What a tool-call parser produces: deltas while the text streams, one message at the end.
 
-Streaming and complete parsing agree: the deltas of a text, in any cut, add up to the
-complete parse of that text (content exactly; each call's name exactly and its arguments
-as the same JSON value: deltas carry the arguments as the model wrote them, the complete
-parse carries them re-encoded).
+The message is the same parse's result, so the deltas of a text, in any cut, add up to it
+(content exactly; each call's name exactly and its arguments as the same JSON value: deltas
+carry the arguments as the model wrote them, the message re-encoded), except for a call
+left unfinished or whose text is no valid JSON, which the message holds as text
+(content.py).
 """
 
 from __future__ import annotations
