@@ -27,8 +27,8 @@ from frontend_svc.text import nesting
 from frontend_svc.text.message_parser import MessageFormat
 from frontend_svc.text.reasoning import CLOSE_TAG, OPEN_TAG, prompt_opens_thought
 from frontend_svc.text.tokenizer import Tokenizer
-from frontend_svc.text.tools import ToolCallFormat, format_named, parser_for_template
-from frontend_svc.text.tools.forcing import ForcingError, answer_grammar, tools_grammar
+from frontend_svc.text.tools import ToolCallFormat, format_for, tools_grammar
+from frontend_svc.text.tools.forcing import ForcingError, answer_grammar
 from frontend_svc.text.tools.spec import (
     MAX_TOOL_CALLS_PER_MESSAGE,
     ToolRequest,
@@ -38,15 +38,6 @@ from frontend_svc.text.tools.spec import (
 from frontend_svc.types import CallError
 from tandem_common.sampling import SamplingParams, StructuredOutput
 from tandem_common.types import ErrorCode
-
-# The tags each format's parser must see in the text.
-_FORMAT_TAGS = {
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "mistral": ("[TOOL_CALLS]",),
-    "llama3_json": ("<|python_tag|>",),
-    "pythonic": ("<|python_start|>", "<|python_end|>"),
-    "json": (),
-}
 
 
 @dataclass(frozen=True)
@@ -94,8 +85,7 @@ def prepare(
     tool_format = None
     if tools.active:
         kwargs["tools"] = template_tools(tools.tools)
-        name = parsers.tool_call_parser
-        tool_format = format_named(name) if name else parser_for_template(tokenizer.chat_template)
+        tool_format = format_for(parsers.tool_call_parser, tokenizer.chat_template)
     return ChatRendering(rendered, kwargs, tool_format)
 
 
@@ -153,14 +143,7 @@ def finish(
     grammar = None
     try:
         if fmt.tools is not None and (tools.choice.forced or answer is not None):
-            grammar = tools_grammar(
-                fmt.tools.name,
-                tools,
-                answer,
-                tokenizer.special_token_id,
-                thought=thought,
-                mistral_named="[ARGS]" in (tokenizer.chat_template or ""),
-            )
+            grammar = tools_grammar(fmt.tools, tools, answer, tokenizer.special_token_id, thought=thought)
         elif answer is not None and thought is not None:
             grammar = answer_grammar(answer, tokenizer.special_token_id, thought)
     except ForcingError as e:
@@ -170,7 +153,7 @@ def finish(
         if tools.choice.forced:  # the grammar writes calls only
             fmt = replace(fmt, calls_only=True)
 
-    tags = list(_FORMAT_TAGS.get(fmt.tools.name, ())) if fmt.tools is not None else []
+    tags = list(fmt.tools.tags) if fmt.tools is not None else []
     if fmt.reasoning:
         tags += [OPEN_TAG, CLOSE_TAG]
     if any(tag in tokenizer.special_tokens for tag in tags):

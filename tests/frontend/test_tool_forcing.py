@@ -9,8 +9,8 @@ import json
 import llguidance
 import pytest
 
-from frontend_svc.text.tools import FORMATS
-from frontend_svc.text.tools.forcing import FORCEABLE, ForcingError, tools_grammar
+from frontend_svc.text.tools import FORCEABLE, FORMATS, tools_grammar
+from frontend_svc.text.tools.forcing import ForcingError
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 from tandem_common.sampling import StructuredOutput
 
@@ -45,7 +45,7 @@ def accepts(tokenizer, grammar: str, text: str) -> bool:
 
 @pytest.mark.parametrize("fmt", FORCEABLE)
 def test_what_the_grammar_allows_the_parser_reads_back(llg_tokenizer, fmt):
-    grammar = tools_grammar(fmt, REQUIRED, None, lambda _: None)
+    grammar = tools_grammar(FORMATS[fmt], REQUIRED, None, lambda _: None)
     for calls in ([("get_weather", {"city": "Oslo"})], [("get_time", {}), ("get_weather", {"city": "x"})]):
         text = written(fmt, calls)
         assert accepts(llg_tokenizer, grammar, text), text
@@ -56,7 +56,7 @@ def test_what_the_grammar_allows_the_parser_reads_back(llg_tokenizer, fmt):
 
 @pytest.mark.parametrize("fmt", FORCEABLE)
 def test_the_grammar_refuses_text_unknown_tools_and_bad_arguments(llg_tokenizer, fmt):
-    grammar = tools_grammar(fmt, REQUIRED, None, lambda _: None)
+    grammar = tools_grammar(FORMATS[fmt], REQUIRED, None, lambda _: None)
     assert not accepts(llg_tokenizer, grammar, "Sure, let me check.")
     assert not accepts(llg_tokenizer, grammar, written(fmt, [("rm_rf", {})]))
     assert not accepts(llg_tokenizer, grammar, written(fmt, [("get_weather", {"city": 3})]))
@@ -64,7 +64,7 @@ def test_the_grammar_refuses_text_unknown_tools_and_bad_arguments(llg_tokenizer,
 
 
 def test_mistral_named_form_is_forced_as_its_templates_show_it(llg_tokenizer):
-    grammar = tools_grammar("mistral", REQUIRED, None, lambda _: None, mistral_named=True)
+    grammar = tools_grammar(FORMATS["mistral"].for_template("[ARGS]"), REQUIRED, None, lambda _: None)
     text = '[TOOL_CALLS]get_weather[ARGS]{"city":"Oslo"}[TOOL_CALLS]get_time[ARGS]{}'
     assert accepts(llg_tokenizer, grammar, text)
     parsed = FORMATS["mistral"].parse(text)
@@ -77,39 +77,41 @@ def test_mistral_named_form_is_forced_as_its_templates_show_it(llg_tokenizer):
 
 
 def test_named_and_single_calls_allow_exactly_one(llg_tokenizer):
-    named = tools_grammar("hermes", ToolRequest(TOOLS, ToolChoice("function", "get_time")), None, lambda _: None)
+    named = tools_grammar(
+        FORMATS["hermes"], ToolRequest(TOOLS, ToolChoice("function", "get_time")), None, lambda _: None
+    )
     assert accepts(llg_tokenizer, named, written("hermes", [("get_time", {})]))
     assert not accepts(llg_tokenizer, named, written("hermes", [("get_weather", {"city": "x"})]))
     assert not accepts(llg_tokenizer, named, written("hermes", [("get_time", {}), ("get_time", {})]))
-    single = tools_grammar("json", ToolRequest(TOOLS, ToolChoice("required"), False), None, lambda _: None)
+    single = tools_grammar(FORMATS["json"], ToolRequest(TOOLS, ToolChoice("required"), False), None, lambda _: None)
     assert not accepts(llg_tokenizer, single, written("json", [("get_time", {}), ("get_time", {})]))
 
 
 def test_auto_with_a_response_format_allows_calls_or_the_answer(llg_tokenizer):
     answer = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
-    grammar = tools_grammar("hermes", ToolRequest(TOOLS), answer, lambda _: None)
+    grammar = tools_grammar(FORMATS["hermes"], ToolRequest(TOOLS), answer, lambda _: None)
     assert accepts(llg_tokenizer, grammar, '{"a":1}')
     assert accepts(llg_tokenizer, grammar, written("hermes", [("get_time", {})]))
     assert not accepts(llg_tokenizer, grammar, "free text")
 
 
 def test_a_thought_comes_first_when_the_prompt_opened_it(llg_tokenizer):
-    grammar = tools_grammar("hermes", REQUIRED, None, lambda _: None, thought="open")
+    grammar = tools_grammar(FORMATS["hermes"], REQUIRED, None, lambda _: None, thought="open")
     call = written("hermes", [("get_time", {})])
     assert accepts(llg_tokenizer, grammar, "I need the time. <b>{x}</b></think>" + call)
     assert not accepts(llg_tokenizer, grammar, call)  # the thought must be closed first
-    optional = tools_grammar("hermes", REQUIRED, None, lambda _: None, thought="optional")
+    optional = tools_grammar(FORMATS["hermes"], REQUIRED, None, lambda _: None, thought="optional")
     assert accepts(llg_tokenizer, optional, call)
     assert accepts(llg_tokenizer, optional, "<think>hm</think>" + call)
 
 
 def test_a_special_token_tag_is_written_as_the_token():
-    grammar = tools_grammar("mistral", REQUIRED, None, lambda t: 7 if t == "[TOOL_CALLS]" else None)
+    grammar = tools_grammar(FORMATS["mistral"], REQUIRED, None, lambda t: 7 if t == "[TOOL_CALLS]" else None)
     assert 'calls: <[7]> "["' in grammar
 
 
 def test_pythonic_and_grammar_answers_cannot_be_forced():
     with pytest.raises(ForcingError, match="pythonic"):
-        tools_grammar("pythonic", REQUIRED, None, lambda _: None)
+        tools_grammar(FORMATS["pythonic"], REQUIRED, None, lambda _: None)
     with pytest.raises(ForcingError, match="grammar constraint"):
-        tools_grammar("hermes", ToolRequest(TOOLS), StructuredOutput("grammar", "start: x"), lambda _: None)
+        tools_grammar(FORMATS["hermes"], ToolRequest(TOOLS), StructuredOutput("grammar", "start: x"), lambda _: None)

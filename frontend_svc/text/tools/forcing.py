@@ -1,19 +1,14 @@
 """Forced tool calls as a grammar in the model's own call format (llguidance's Lark).
 
 The engine's sampler enforces the grammar token by token, so a forced output is always
-the calls the format's parser reads, with arguments valid against each tool's schema:
+the calls the format's parser reads, with arguments valid against each tool's schema.
+Each format writes its own ``calls`` rule from a ``Forced`` (its row in formats.py), most
+of them from one ``call`` rule:
 
-    hermes       <tool_call>\\n%json{call}\\n</tool_call> ("\\n" <tool_call>...)*
-    mistral      [TOOL_CALLS] "[" %json{call} ("," %json{call})* "]"
-                 or, for templates of the newer form (``mistral_named``, they show [ARGS]):
-                 ([TOOL_CALLS] name [ARGS] %json{the tool's schema})+
-    llama3_json  %json{call} (";" %json{call})*         ("parameters", as Llama writes it)
-    json         %json{call}   or   "[" %json{call} ("," ...)* "]"   (parallel)
+    call: %json {"name": <const>, "<arguments key>": <the tool's schema>}   (any allowed tool)
 
-where %json{call} is {"name": <const>, "arguments": <the tool's schema>} for any of the
-allowed tools. A tag that is a special token of the tokenizer is written as that token
-(``<[id]>``), the way the model emits it; otherwise as text. Pythonic calls are Python
-syntax, not JSON, and are not forced.
+A tag that is a special token of the tokenizer is written as that token (``<[id]>``), the
+way the model emits it; otherwise as text.
 
 With a response format (json_schema, json_object, regex or choice) the grammar is
 ``start: calls | answer`` (auto: the model calls tools or answers in the format); with
@@ -26,17 +21,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tandem_common.sampling import StructuredOutput
 
 from .spec import ToolRequest, ToolSpec
 
-FORCEABLE = ("hermes", "mistral", "llama3_json", "json")
+_EXACT = {"whitespace_flexible": False, "lenient": True}
 
 
 class ForcingError(ValueError):
     """The request's tools cannot be forced in this format; the message says why."""
+
+
+@dataclass(frozen=True)
+class Forced:
+    """One request's forced calls, as a format's rule reads them."""
+
+    tools: tuple[ToolSpec, ...]  # the tools a call may name
+    many: bool  # more than one call allowed
+    call: str  # the rule of one call object in the format's arguments key
+    tag: Callable[[str], str]  # a tag as the grammar writes it
+
+
+# A format's rule: the Lark lines that define ``calls``.
+CallsRule = Callable[[Forced], list[str]]
 
 
 def call_schema(request: ToolRequest, arguments_key: str) -> dict[str, Any]:
@@ -51,57 +61,29 @@ def call_schema(request: ToolRequest, arguments_key: str) -> dict[str, Any]:
         for t in request.forced_tools()
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": {"whitespace_flexible": False, "lenient": True}}
+    return {**schema, "x-guidance": _EXACT}
 
 
-def _args(tool: ToolSpec) -> dict[str, Any]:
-    return {**tool.schema(), "x-guidance": {"whitespace_flexible": False, "lenient": True}}
+def arguments_schema(tool: ToolSpec) -> dict[str, Any]:
+    """The schema of one tool's arguments object alone, as a call writes it."""
+    return {**tool.schema(), "x-guidance": _EXACT}
 
 
-def tools_grammar(
-    format_name: str,
+def calls_grammar(
+    rule: CallsRule,
+    arguments_key: str,
     request: ToolRequest,
     answer: StructuredOutput | None,
     special_token_id: Callable[[str], int | None],
-    *,
-    thought: str | None = None,
-    mistral_named: bool = False,
+    thought: str | None,
 ) -> str:
     """The Lark grammar for this request. ``thought`` is None (no reasoning parser),
     "open" (the prompt opened the thought) or "optional" (the model may open one)."""
-    if format_name not in FORCEABLE:
-        raise ForcingError(
-            f"the {format_name} tool-call format cannot be forced by a grammar; "
-            f"tool_choice required or a named function needs one of: {', '.join(FORCEABLE)}"
-        )
     forced = request.choice.forced
+    tag = _tag_writer(special_token_id)
     many = request.parallel_tool_calls and request.choice.mode != "function"
-    key = "parameters" if format_name == "llama3_json" else "arguments"
-    lines = [f"call: %json {json.dumps(call_schema(request, key))}"]
-
-    def tag(text: str) -> str:
-        token_id = special_token_id(text)
-        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
-
-    if format_name == "hermes":
-        lines.append(f'one: {tag("<tool_call>")} "\\n" call "\\n" {tag("</tool_call>")}')
-        lines.append('calls: one ("\\n" one)*' if many else "calls: one")
-    elif format_name == "mistral" and mistral_named:
-        lines = [
-            "one: " + " | ".join(f"one_{i}" for i in range(len(request.forced_tools()))),
-            *(
-                f"one_{i}: {tag('[TOOL_CALLS]')} {json.dumps(t.name)} {tag('[ARGS]')} %json {json.dumps(_args(t))}"
-                for i, t in enumerate(request.forced_tools())
-            ),
-            "calls: one+" if many else "calls: one",
-        ]
-    elif format_name == "mistral":
-        lines.append(f'calls: {tag("[TOOL_CALLS]")} "[" call ' + ('("," call)* "]"' if many else '"]"'))
-    elif format_name == "llama3_json":
-        lines.append('calls: call (";" call)*' if many else "calls: call")
-    else:
-        lines.append('calls: call | "[" call ("," call)* "]"' if many else "calls: call")
-
+    call = f"call: %json {json.dumps(call_schema(request, arguments_key))}"
+    lines = rule(Forced(request.forced_tools(), many, call, tag))
     body = "calls"
     if answer is not None and not forced:
         lines.append(f"answer: {_answer_rule(answer)}")
@@ -109,13 +91,17 @@ def tools_grammar(
     return "\n".join([*_thought_rules(thought, tag, body), *lines]) + "\n"
 
 
-def answer_grammar(answer: StructuredOutput, special_token_id: Callable[[str], int | None], thought: str) -> str:
-    """A response format alone behind a thought (a reasoning model, no tools)."""
-
+def _tag_writer(special_token_id: Callable[[str], int | None]) -> Callable[[str], str]:
     def tag(text: str) -> str:
         token_id = special_token_id(text)
         return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
 
+    return tag
+
+
+def answer_grammar(answer: StructuredOutput, special_token_id: Callable[[str], int | None], thought: str) -> str:
+    """A response format alone behind a thought (a reasoning model, no tools)."""
+    tag = _tag_writer(special_token_id)
     return "\n".join([*_thought_rules(thought, tag, "answer"), f"answer: {_answer_rule(answer)}"]) + "\n"
 
 
