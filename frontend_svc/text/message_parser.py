@@ -94,19 +94,22 @@ class MessageParser:
 
     def feed(self, text: str) -> MessageDelta:
         if self._reasoning is None:
-            return self._kept(self._body(text, final=False))
+            return self._body(text, final=False)
         split = self._reasoning.feed(text)
         out = self._body(split.content, final=False)
         out.reasoning = split.reasoning
-        return self._kept(out)
+        if split.reasoning:
+            self._reasoning_text.append(split.reasoning)
+        return out
 
     def finish(self) -> MessageDelta:
         if self._reasoning is None:
-            return self._kept(self._body("", final=True))
+            return self._body("", final=True)
         split = self._reasoning.finish()
         out = self._body(split.content, final=True)
         out.reasoning = split.reasoning
-        return self._kept(out)
+        self._reasoning_text.append(split.reasoning)
+        return out
 
     def message(self) -> AssistantMessage:
         """The whole answer (after ``finish``), with the ids the pieces carried."""
@@ -117,14 +120,9 @@ class MessageParser:
         calls = tuple(FinishedCall(self.call_id(i), c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
         return AssistantMessage("" if self.fmt.calls_only else parsed.content, reasoning, calls)
 
-    def _kept(self, out: MessageDelta) -> MessageDelta:
-        self._reasoning_text.append(out.reasoning)
-        if self._tools is None:
-            self._content_text.append(out.content)
-        return out
-
     def _body(self, text: str, final: bool) -> MessageDelta:
         if self._tools is None:
+            self._content_text.append(text)
             return MessageDelta(content=text)
         parsed = self._tools.feed(text) if text else None
         out = MessageDelta()

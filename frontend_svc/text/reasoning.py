@@ -9,7 +9,6 @@ part of one has arrived, so a tag is never split across the two fields.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .tools.scan import held_suffix
@@ -18,6 +17,7 @@ OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 # The --reasoning-parser names; both write <think> ... </think>. Whether the output starts
 # inside the thought is read from the prompt, never from the name.
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+_BEFORE, _THINKING, _AFTER = range(3)
 
 
 def prompt_opens_thought(prompt: str) -> bool:
@@ -33,55 +33,43 @@ class ReasoningDelta:
 
 
 class ReasoningParser:
-    """``feed`` each text delta, then ``finish`` once. States, one method each (see
-    tools/tagged.py): before (a thought may open) -> thinking -> after (content)."""
-
     def __init__(self, starts_in_thought: bool) -> None:
-        self._state: Callable[[ReasoningDelta], bool] = self._thinking if starts_in_thought else self._before
+        self._state = _THINKING if starts_in_thought else _BEFORE
         self._buf = ""
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
         self._buf += text
-        while self._buf and self._state(out):
-            pass
+        while self._buf:
+            if self._state == _BEFORE:
+                stripped = self._buf.lstrip()
+                if stripped.startswith(OPEN_TAG):
+                    self._buf = stripped[len(OPEN_TAG) :]
+                    self._state = _THINKING
+                elif not stripped or OPEN_TAG.startswith(stripped):
+                    return out
+                else:
+                    self._state = _AFTER
+            elif self._state == _THINKING:
+                k = self._buf.find(CLOSE_TAG)
+                if k < 0:
+                    keep = held_suffix(self._buf, [CLOSE_TAG])
+                    out.reasoning += self._buf[: len(self._buf) - keep]
+                    self._buf = self._buf[len(self._buf) - keep :]
+                    return out
+                out.reasoning += self._buf[:k]
+                self._buf = self._buf[k + len(CLOSE_TAG) :]
+                self._state = _AFTER
+            else:
+                out.content += self._buf
+                self._buf = ""
         return out
 
     def finish(self) -> ReasoningDelta:
         text, self._buf = self._buf, ""
-        if self._state == self._thinking:
+        if self._state == _THINKING:
             return ReasoningDelta(reasoning=text)
         return ReasoningDelta(content=text)
-
-    def _before(self, out: ReasoningDelta) -> bool:
-        """The output's start: past whitespace, <think> opens a thought; anything else is content."""
-        stripped = self._buf.lstrip()
-        if stripped.startswith(OPEN_TAG):
-            self._buf = stripped[len(OPEN_TAG) :]
-            self._state = self._thinking
-        elif not stripped or OPEN_TAG.startswith(stripped):
-            return False
-        else:
-            self._state = self._after
-        return True
-
-    def _thinking(self, out: ReasoningDelta) -> bool:
-        """Reasoning, up to </think> (the start of one at the end is held back)."""
-        k = self._buf.find(CLOSE_TAG)
-        if k < 0:
-            keep = held_suffix(self._buf, [CLOSE_TAG])
-            out.reasoning += self._buf[: len(self._buf) - keep]
-            self._buf = self._buf[len(self._buf) - keep :]
-            return False
-        out.reasoning += self._buf[:k]
-        self._buf = self._buf[k + len(CLOSE_TAG) :]
-        self._state = self._after
-        return True
-
-    def _after(self, out: ReasoningDelta) -> bool:
-        out.content += self._buf
-        self._buf = ""
-        return False
 
 
 def split_reasoning(text: str, starts_in_thought: bool) -> ReasoningDelta:

@@ -57,13 +57,18 @@ class CallSpans:
 
     def __init__(self) -> None:
         self._pieces: list[str] = []
-        self.length = 0  # characters fed so far
+        self.add = self._pieces.append  # once per delta: kept as cheap as a list append
+        self._length = 0
+        self._counted = 0  # pieces in _length
         self._spans: list[tuple[int, int]] = []
         self._calls: list[ToolCall] = []
 
-    def add(self, text: str) -> None:
-        self._pieces.append(text)
-        self.length += len(text)
+    @property
+    def length(self) -> int:
+        """Characters fed so far."""
+        self._length += sum(map(len, self._pieces[self._counted :]))
+        self._counted = len(self._pieces)
+        return self._length
 
     @property
     def end(self) -> int:

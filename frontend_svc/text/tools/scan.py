@@ -30,6 +30,10 @@ _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|p
 # Past this many characters without a recognisable head, stop looking and decode at the end.
 _MAX_HEAD_CHARS = 4096
 ARGUMENT_KEYS = ("arguments", "parameters")
+# One of each, as json.loads and json.dumps keep theirs: building one costs more than most
+# calls' decoding.
+_DECODER = json.JSONDecoder()
+_encode = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def held_suffix(text: str, markers: Sequence[str]) -> int:
@@ -50,7 +54,7 @@ def call_from_value(value: object) -> tuple[str, str] | None:
         return None
     args: object = next((value[k] for k in ARGUMENT_KEYS if k in value), {})
     try:
-        return value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return value["name"], args if isinstance(args, str) else _encode(args)
     except RecursionError:  # the model's output nests ~1,000 levels deep: text, not a call
         return None
 
@@ -59,7 +63,7 @@ def decode_value(text: str, start: int) -> tuple[object, int] | None:
     """The JSON value at ``text[start:]`` and the index past it, or None if there is none
     (text nested too deep for Python's json included: the model's output stays text)."""
     try:
-        return json.JSONDecoder().raw_decode(text, start)
+        return _DECODER.raw_decode(text, start)
     except (json.JSONDecodeError, RecursionError):
         return None
 
@@ -208,6 +212,6 @@ def _decoded_string(raw: str) -> str:
     """Arguments written as a JSON string holding JSON text: the text itself."""
     try:
         value = json.loads(raw)
-        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return value if isinstance(value, str) else _encode(value)
     except (json.JSONDecodeError, RecursionError):
         return raw
