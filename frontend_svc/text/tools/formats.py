@@ -150,6 +150,7 @@ FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, M
 # The order a chat template's signs are looked for in, most specific first (a template may
 # show more than one).
 _BY_TEMPLATE_SIGN = (HERMES, MISTRAL, PYTHONIC, LLAMA3_JSON)
+# The formats a grammar can force, in the order the refusal for the others names them.
 FORCEABLE = tuple(f.name for f in (*_BY_TEMPLATE_SIGN, JSON) if f.forcing is not None)
 
 
