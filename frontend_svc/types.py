@@ -23,6 +23,7 @@ __all__ = [
     "ModelIdentity",
     "ModelInfo",
     "RequestError",
+    "UnknownModelError",
 ]
 
 
@@ -34,6 +35,16 @@ class CallError(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class UnknownModelError(CallError):
+    """A model name that no engine serves, neither as its model nor as a LoRA adapter."""
+
+    def __init__(self, name: str, served: list[str]) -> None:
+        names = ", ".join(repr(n) for n in served)
+        super().__init__(ErrorCode.NOT_FOUND, f"model: no engine serves {name!r}; served: {names or 'none yet'}")
+        self.name = name
+        self.served = served  # the model's name first, then the adapters'
 
 
 class EngineUnavailableError(Exception):

@@ -36,9 +36,8 @@ from frontend_svc.engine.routing import (
     least_loaded,
 )
 from frontend_svc.engine.watchdog import DEFAULT_PROGRESS_FACTOR, DEFAULT_PROGRESS_FLOOR_S, Pace
-from frontend_svc.types import CallError, EngineUnavailableError, ModelIdentity, ModelInfo
+from frontend_svc.types import EngineUnavailableError, ModelIdentity, ModelInfo, UnknownModelError
 from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks
-from tandem_common.types import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +168,7 @@ class EngineRouter:
         if name in self.lora_adapters:
             return
         info = self.model_info
-        served = ([repr(info.model_name)] if info else []) + [repr(n) for n in self.lora_adapters]
-        raise CallError(
-            ErrorCode.NOT_FOUND, f"model: no engine serves {name!r}; served: {', '.join(served) or 'none yet'}"
-        )
+        raise UnknownModelError(name, ([info.model_name] if info else []) + list(self.lora_adapters))
 
     def engine_figures(self) -> dict[str, tuple[int, int]]:
         """{address: (load tokens, blocks the prefix index holds)} of the connected engines and

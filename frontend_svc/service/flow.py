@@ -1,6 +1,6 @@
 """Generate calls in progress: the concurrent-call limit and the watch on clients that stopped reading.
 
-    Generate ── calls.enter(context) ──▶ Call   (RESOURCE_EXHAUSTED past --max-concurrent-calls,
+    Generate ── calls.enter(caller) ──▶ Call    (RESOURCE_EXHAUSTED past --max-concurrent-calls,
                                                  or past the client's share: fair_share.py)
              ── call.write(response) ...        (time-stamped while the write waits)
              ── calls.leave(call)
@@ -13,8 +13,8 @@ its output, so what a call holds is bounded in bytes and a slow reader only slow
 
 A write to the client waits only once gRPC's buffers for the call are full, that is when
 the client has stopped reading (HTTP/2 flow control). Past the timeout the call's task is
-cancelled; the servicer sees ``call.stalled``, aborts the engine requests (so the engine
-stops computing for nobody) and ends the call with RESOURCE_EXHAUSTED. Nothing here runs
+cancelled; its lifecycle (generate_call.py) sees ``call.stalled``, aborts the engine
+requests (so the engine stops computing for nobody) and ends the call with RESOURCE_EXHAUSTED. Nothing here runs
 per token beyond two clock reads per write.
 """
 
@@ -26,6 +26,7 @@ import time
 
 import grpc
 
+from frontend_svc.service.caller import Caller
 from frontend_svc.service.fair_share import FairShare, client_of
 from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode
@@ -92,9 +93,9 @@ class InFlightCalls:
     def num_calls(self) -> int:
         return len(self._calls)
 
-    def enter(self, context=None) -> Call:
-        """Admits a call (``context``: its gRPC context, which names the client), or raises
-        CallError(RESOURCE_EXHAUSTED) when the limit or the client's share is reached."""
+    def enter(self, caller: Caller | None = None) -> Call:
+        """Admits a call (``caller`` names its client), or raises CallError(RESOURCE_EXHAUSTED)
+        when the limit or the client's share is reached."""
         if self.max_calls and len(self._calls) >= self.max_calls:
             raise CallError(
                 ErrorCode.RESOURCE_EXHAUSTED,
@@ -102,8 +103,8 @@ class InFlightCalls:
                 "(--max-concurrent-calls); retry later or on another frontend replica",
             )
         client = ""
-        if self.fair_share.max_calls_per_client and context is not None:
-            client = client_of(context.invocation_metadata(), context.peer(), keyed=self._keyed)
+        if self.fair_share.max_calls_per_client and caller is not None:
+            client = client_of(caller.metadata, caller.peer, keyed=self._keyed)
             self.fair_share.enter(client)
         call = Call(asyncio.current_task(), client)
         self._calls.add(call)

@@ -3,9 +3,10 @@
     Plan ── Generation.stream(plan, stats) ──▶ router.route(), add() ──▶ engine
     engine ──▶ RequestHandle.take() ──▶ EngineOutput ── ChoiceProcessor (one per choice) ──▶ ChoiceOutput
 
-The gRPC servicer (service/servicer.py) and the HTTP face (service/http/) each convert
-their request to a GenerateInput, plan it (service/planning.py), and turn the
-ChoiceOutputs this yields into their own wire format; nothing here knows either wire.
+Each call runs through its lifecycle (service/generate_call.py: admission, sizes, the
+model name, planning with service/planning.py, then this stream), the same for the gRPC
+servicer and the HTTP face, which turn the ChoiceOutputs into their own wire format;
+nothing here knows either wire.
 
 An engine that refuses (draining) or fails (dies, hangs) before anything was yielded gets
 the request retried once on another engine: the client cannot tell. Closing the stream

@@ -5,7 +5,7 @@
       .routed(route, ids)     the engine, why, the predicted cached tokens; trace context for the engine
       .piece(output)          each streamed piece: TTFT, inter-token latency, finish reasons
       .generated(n)           tokens the engine generated for the call (cancelled calls too)
-      .end(code, message)     status counters, E2E latency, span end, one INFO log line
+      .end(outcome, message)  status counters, E2E latency, span end, one INFO log line
 
 The log line carries its fields as ``extra`` too, so ``--log-format json`` emits them as
 keys: request_id, engine, routing, code, prompt_tokens, completion_tokens, cached_tokens,
@@ -18,8 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-import grpc
-
+from frontend_svc.service.caller import Caller, Outcome
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.tracing import end_rpc_span, start_rpc_span, trace_context_of
 from frontend_svc.text.output_processor import ChoiceOutput
@@ -29,10 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 class GenerateStats:
-    def __init__(self, metrics: FrontendMetrics, tracer, context: grpc.aio.ServicerContext, request_id: str) -> None:
+    def __init__(self, metrics: FrontendMetrics, tracer, caller: Caller, request_id: str) -> None:
         self.start = time.monotonic()
         self.metrics = metrics
-        self.span = start_rpc_span(tracer, "Generate", context) if tracer is not None else None
+        self.span = start_rpc_span(tracer, "Generate", caller.metadata) if tracer is not None else None
         self.request_id = printable(request_id)  # the client's, else the first engine request id
         self.engine = ""
         self.routing = ""  # why that engine (RoutingReason value)
@@ -112,19 +111,19 @@ class GenerateStats:
         (for a call retried on another engine, the last engine's)."""
         self.num_completion_tokens = num_tokens
 
-    def end(self, code: grpc.StatusCode, message: str = "") -> None:
+    def end(self, outcome: Outcome, message: str = "") -> None:
         total_s = time.monotonic() - self.start
         m = self.metrics
         m.in_flight.dec()
-        m.requests.labels(code.name).inc()
+        m.requests.labels(outcome.name).inc()
         m.generation_tokens.inc(self.num_completion_tokens)
-        if code is grpc.StatusCode.OK:
+        if outcome is Outcome.OK:
             m.e2e.observe(total_s)
             m.request_generation_tokens.observe(self.num_completion_tokens)
             if self.predicted_cached_tokens is not None:  # the index's accuracy
                 predicted, actual = self.predicted_cached_tokens, self.num_cached_tokens
-                outcome = "exact" if predicted == actual else "over" if predicted > actual else "under"
-                m.prefix_predictions.labels(outcome).inc()
+                accuracy = "exact" if predicted == actual else "over" if predicted > actual else "under"
+                m.prefix_predictions.labels(accuracy).inc()
                 m.predicted_cached_tokens.inc(predicted)
                 m.predicted_calls_cached_tokens.inc(actual)
         finish_reason = ",".join(self.finish_reasons)
@@ -132,7 +131,7 @@ class GenerateStats:
             "request_id": self.request_id or "-",
             "engine": self.engine or "-",
             "routing": self.routing or None,
-            "code": code.name,
+            "code": outcome.name,
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "cached_tokens": self.num_cached_tokens,
@@ -154,13 +153,13 @@ class GenerateStats:
             if self.request_id:
                 self.span.set_attribute("tandem.request_id", self.request_id)
             fields["trace_id"] = format(self.span.get_span_context().trace_id, "032x")
-            end_rpc_span(self.span, code, message)
+            end_rpc_span(self.span, outcome, message)
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s:.3f}s"
         logger.info(
             "Generate %s %s: engine=%s routing=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
             "predicted_cached_tokens=%s ttft=%s total=%.3fs finish_reason=%s%s",
             fields["request_id"],
-            code.name,
+            outcome.name,
             fields["engine"],
             self.routing or "-",
             self.num_prompt_tokens,

@@ -1,8 +1,10 @@
 """The public API, tandem.generate.v1.GenerateService: each call planned, routed, streamed.
 
-    GenerateRequest ── sizes checked ── convert ──▶ GenerateInput ── planning ──▶ Plan
-    Plan ── Generation.stream() ──▶ ChoiceOutput ... (service/generation.py: routing, engines, text)
-         ── convert ──▶ GenerateResponse ── Call.write() ──▶ client
+    GenerateRequest ── _call_input() ──▶ CallInput ── GenerateCall.plan() ──▶ Plan
+                       (service/generate_call.py: admission, sizes, model name, planning)
+    Plan ── GenerateCall.pieces() ──▶ ChoiceOutput ... (service/generation.py: routing, engines, text)
+         ── convert ──▶ GenerateResponse ── GenerateCall.write() ──▶ client
+    the call's Outcome ──▶ its gRPC status (OK, or context.abort with the code of that name)
 
 Errors follow the proto's contract: a CallError ends the call with the gRPC status its
 ErrorCode names (INVALID_ARGUMENT names the field), UNAVAILABLE when no engine can serve
@@ -16,27 +18,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import replace
+import time
+from functools import partial
 
 import grpc
 
 from frontend_svc.engine.router import EngineRouter
 from frontend_svc.service import convert
-from frontend_svc.service.flow import Call, InFlightCalls, call_over
+from frontend_svc.service.caller import Caller, Outcome
+from frontend_svc.service.flow import InFlightCalls, call_over
+from frontend_svc.service.generate_call import CallInput, GenerateCall
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.message_plan import OutputParsers
 from frontend_svc.service.metrics import FrontendMetrics
 from frontend_svc.service.planning import (
     MAX_DETOKENIZE_IDS,
-    GenerateInput,
     RequestLimits,
     check_ids,
     check_num_messages,
-    check_sizes,
     encode_prompt,
     invalid,
 )
-from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.service.tracing import traced
 from frontend_svc.text.chat_template.renderer import ChatRenderer
 from frontend_svc.text.tokenizer import Tokenizer
@@ -97,45 +99,23 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
     # -- Generate ---------------------------------------------------------------------------
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        stats = GenerateStats(self.metrics, self.tracer, context, request.request_id)
-        code, message = grpc.StatusCode.CANCELLED, ""
-        call: Call | None = None
+        call = GenerateCall(self.generation, _caller(context), request.request_id)
         try:
-            call = self.calls.enter(context)
-            tokenizer, info = self.generation.ready()
-            check_sizes(convert.request_sizes(request), self.limits, info)
-            lora_name = await self.generation.lora_name(request.model)
-            gen = await self._off_loop(request, self._input, request, lora_name)
-            plan = await self.generation.plan(gen, tokenizer, info, request.ByteSize())
-            operation = "chat" if request.WhichOneof("input") == "messages" else "text_completion"
-            stats.planned(plan.prompt_token_ids, plan.n, plan.params, plan.text.stop, operation)
-            pieces = self.generation.stream(plan, stats, context.add_done_callback)
+            plan = await call.plan(_call_input(request))
+            pieces = call.pieces(plan, context.add_done_callback)
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
                     await call.write(context, convert.generate_response(piece, plan.text.return_token_ids))
-            code = grpc.StatusCode.OK
-        except CallError as e:
-            code, message = _status(e.code), str(e)
-        except EngineUnavailableError as e:
-            code, message = grpc.StatusCode.UNAVAILABLE, str(e)
+        except (CallError, EngineUnavailableError):
+            pass  # the call ended with its outcome
         except asyncio.CancelledError:
-            if call is None or not call.stalled:
-                code = _ended_by_client(context)
+            if not call.stalled:  # the client ended the call: nothing is left to tell it
                 raise
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.stalled_message()
-        finally:
-            if call is not None:
-                self.calls.leave(call)
-            stats.end(code, message)  # metrics, span, the request's log line
-        if code is not grpc.StatusCode.OK:
+        if call.outcome is not Outcome.OK:
             try:
-                await context.abort(code, message)
+                await context.abort(grpc.StatusCode[call.outcome.name], call.message)
             except grpc.aio.InternalError as e:
                 raise call_over(e) from e
-
-    @staticmethod
-    def _input(request: generate_pb2.GenerateRequest, lora_name: str | None) -> GenerateInput:
-        return replace(convert.generate_input(request), lora_name=lora_name)
 
     # -- unary RPCs ---------------------------------------------------------------------------
 
@@ -195,16 +175,16 @@ class GenerateServiceServicer(generate_pb2_grpc.GenerateServiceServicer):
         return await self.generation.off_loop(request.ByteSize(), fn, *args)
 
 
-def _ended_by_client(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
-    """How a call that the client ended did end: its deadline passed (gRPC cancels the
-    handler then, as for a cancel), or it was cancelled."""
+def _caller(context: grpc.aio.ServicerContext) -> Caller:
     remaining = context.time_remaining()
-    if remaining is not None and remaining < _DEADLINE_SLACK_S:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.CANCELLED
+    deadline = None if remaining is None else time.monotonic() + remaining
+    return Caller(tuple(context.invocation_metadata() or ()), context.peer(), deadline)
 
 
-_DEADLINE_SLACK_S = 0.05  # gRPC's deadline timer and the clock time_remaining() reads may disagree a little
+def _call_input(request: generate_pb2.GenerateRequest) -> CallInput:
+    return CallInput(
+        request.model, convert.request_sizes(request), request.ByteSize(), partial(convert.generate_input, request)
+    )
 
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name

@@ -11,26 +11,30 @@ metadata cannot carry one context per request.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from frontend_svc.service.caller import Outcome
+
 RPC_SERVICE = "tandem.generate.v1.GenerateService"
 _PROPAGATED = ("traceparent", "tracestate", "baggage")
 # Server-side span errors per the RPC semantic conventions; client mistakes are not errors.
 _SERVER_ERRORS = {
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DATA_LOSS,
+    Outcome.UNKNOWN,
+    Outcome.DEADLINE_EXCEEDED,
+    Outcome.UNIMPLEMENTED,
+    Outcome.INTERNAL,
+    Outcome.UNAVAILABLE,
+    Outcome.DATA_LOSS,
 }
 
 
-def start_rpc_span(tracer: trace.Tracer, method: str, context: grpc.aio.ServicerContext) -> trace.Span:
-    carrier = {k: v for k, v in (context.invocation_metadata() or ()) if k in _PROPAGATED}
+def start_rpc_span(tracer: trace.Tracer, method: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> trace.Span:
+    """``metadata``: the call's metadata (an HTTP request's headers), which may continue a trace."""
+    carrier = {k: v for k, v in (metadata or ()) if k in _PROPAGATED}
     parent = propagate.extract(carrier) if carrier else None
     return tracer.start_span(
         f"{RPC_SERVICE}/{method}",
@@ -40,12 +44,12 @@ def start_rpc_span(tracer: trace.Tracer, method: str, context: grpc.aio.Servicer
     )
 
 
-def end_rpc_span(span: trace.Span, code: grpc.StatusCode, message: str = "") -> None:
-    span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code is not grpc.StatusCode.OK:
-        span.set_attribute("error.type", code.name)
-    if code in _SERVER_ERRORS:
-        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
+def end_rpc_span(span: trace.Span, outcome: Outcome, message: str = "") -> None:
+    span.set_attribute("rpc.grpc.status_code", outcome.value)
+    if outcome is not Outcome.OK:
+        span.set_attribute("error.type", outcome.name)
+    if outcome in _SERVER_ERRORS:
+        span.set_status(Status(StatusCode.ERROR, f"{outcome.name}: {message}"))
     span.end()
 
 
@@ -64,27 +68,30 @@ def traced(method: str):
         async def wrapper(self, request, context):
             if self.tracer is None:
                 return await fn(self, request, context)
-            span = start_rpc_span(self.tracer, method, context)
-            code = grpc.StatusCode.OK
+            span = start_rpc_span(self.tracer, method, context.invocation_metadata())
+            outcome = Outcome.OK
             try:
                 return await fn(self, request, context)
             except BaseException:
-                code = _status_code(context) or grpc.StatusCode.UNKNOWN
+                outcome = _outcome(context)
                 raise
             finally:
-                end_rpc_span(span, code)
+                end_rpc_span(span, outcome)
 
         return wrapper
 
     return wrap
 
 
-def _status_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
-    """The code an abort() set, if this grpc version tells."""
+def _outcome(context: grpc.aio.ServicerContext) -> Outcome:
+    """The code an abort() set, if this grpc version tells; else UNKNOWN."""
     try:
         code = context.code()
     except (AttributeError, NotImplementedError):
-        return None
+        return Outcome.UNKNOWN
     if isinstance(code, grpc.StatusCode):
-        return code
-    return next((c for c in grpc.StatusCode if c.value[0] == code), None)
+        code = code.value[0]
+    try:
+        return Outcome(code)
+    except ValueError:
+        return Outcome.UNKNOWN

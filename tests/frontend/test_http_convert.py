@@ -9,8 +9,8 @@ import pytest
 
 from frontend_svc.service.http import sse
 from frontend_svc.service.http.errors import HttpError, from_call_error
+from frontend_svc.service.http.openai_answers import OpenAIAnswer
 from frontend_svc.service.http.openai_requests import chat_request, completion_request, param_name
-from frontend_svc.service.http.openai_responses import OpenAIAnswer
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText, TopLogprobText, Usage
 from frontend_svc.types import CallError
 from tandem_common.types import ErrorCode, FinishReason

@@ -1,6 +1,7 @@
 """Anthropic Messages (``/v1/messages``, ``/v1/messages/count_tokens``) <-> plain values.
 
     JSON body ── messages_request() ──▶ AnthropicRequest (.input: GenerateInput, rendered as chat)
+    AnthropicRequest, Plan ── answer() ──▶ AnthropicAnswer (one message: Messages has no n)
     ChoiceOutput ... ── AnthropicAnswer.events(piece) ──▶ content_block_delta ... message_delta, message_stop
                      ── AnthropicAnswer.add(piece) ... .response() ──▶ the whole message (stream: false)
 
@@ -23,7 +24,7 @@ from frontend_svc.service.http.anthropic_tools import BlockStream, enable_thinki
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_requests import message_text
-from frontend_svc.service.planning import Chat, GenerateInput
+from frontend_svc.service.planning import Chat, GenerateInput, Plan
 from frontend_svc.text.output_processor import ChoiceOutput
 from tandem_common.sampling import SamplingParams
 from tandem_common.types import FinishReason
@@ -91,6 +92,10 @@ def param_name(path: str) -> str:
     if name == "stop" or name.startswith("stop["):
         return "stop_sequences"
     return "messages" if name.startswith(("messages", "input")) else name
+
+
+def answer(request: AnthropicRequest, model: str, plan: Plan) -> AnthropicAnswer:
+    return AnthropicAnswer(model, len(plan.prompt_token_ids), split=plan.text.message.active)
 
 
 def _stop_reason(piece: ChoiceOutput) -> str:
@@ -169,3 +174,6 @@ class AnthropicAnswer:
             out.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))
             out.append(("message_stop", {"type": "message_stop"}))
         return out
+
+    def end_events(self) -> list[tuple[str, dict]]:
+        return []  # message_stop went with the last piece

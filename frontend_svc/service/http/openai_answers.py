@@ -1,7 +1,8 @@
-"""Streamed pieces -> OpenAI response bodies and chunks, for completions and chat.
+"""Streamed pieces -> OpenAI answers (bodies and chunks), for completions and chat.
 
     ChoiceOutput ... ── OpenAIAnswer.chunk(piece) ──▶ one "chat.completion.chunk" / "text_completion"
                                                       dict per piece (one per coalesced engine message)
+                     ── OpenAIAnswer.events(piece) ... .end_events() ──▶ the stream's chunks (endpoint.Answer)
                      ── OpenAIAnswer.add(piece) ... .response() ──▶ the whole response (stream: false)
 
 Logprobs come in OpenAI's two shapes: chat ``logprobs.content[]`` with ``bytes``;
@@ -98,8 +99,22 @@ class _Choice:
 class OpenAIAnswer:
     """The answer to one completions (``chat=False``) or chat request, built piece by piece."""
 
-    def __init__(self, *, chat: bool, model: str, n: int, num_prompt_tokens: int, logprobs: bool, echo: str = ""):
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        model: str,
+        n: int,
+        num_prompt_tokens: int,
+        logprobs: bool,
+        echo: str = "",
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+    ):
         self.chat = chat
+        # stream_options: a last chunk with the usage; the running usage in every chunk
+        self.include_usage = include_usage
+        self._chunk_usage = True if continuous_usage else False if include_usage else None
         self.model = model
         self.logprobs = logprobs
         self.echo = echo
@@ -169,6 +184,15 @@ class OpenAIAnswer:
         body = self._head(self.object + ".chunk" if self.chat else self.object, [])
         body["usage"] = self.usage()
         return body
+
+    def start_events(self) -> list[tuple[str, dict]]:
+        return []
+
+    def events(self, piece: ChoiceOutput) -> list[tuple[str, dict]]:
+        return [("", self.chunk(piece, usage=self._chunk_usage))]  # OpenAI's events have no names
+
+    def end_events(self) -> list[tuple[str, dict]]:
+        return [("", self.usage_chunk())] if self.include_usage else []
 
     # -- whole response -------------------------------------------------------------------
 

@@ -1,0 +1,235 @@
+"""Every HTTP endpoint behind one wrapper; every generation endpoint a converter, an answer builder and one route.
+
+    Endpoints.route(path, dialect, handler)     the body read (at most max_body_bytes: 413) and parsed,
+                                                handler(request, body) ──▶ Response; an HttpError,
+                                                CallError or EngineUnavailableError answered in the dialect
+    Endpoints.generate(path, dialect, convert, answer)
+        body ── convert ──▶ request (.input: GenerateInput, .model, .stream)
+             ── GenerateCall.plan ──▶ Plan           (service/generate_call.py, as for gRPC)
+             ── answer(request, model, plan) ──▶ Answer
+        stream: false   the pieces added to the answer, cancelled if the client goes away; one JSON body
+        stream: true    server-sent events: the answer's start events, its events per piece (paced,
+                        pinged while none comes), its end events; an error after the first byte as the
+                        dialect's error event; the dialect's end of stream last
+
+The call's figures, span and log line are the lifecycle's, as for gRPC: the request's
+headers are its metadata (``traceparent`` continues the client's trace, the API key names
+the client for its share), ``x-request-id`` its request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, Protocol
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from frontend_svc.service.caller import Caller
+from frontend_svc.service.generate_call import CallInput, GenerateCall
+from frontend_svc.service.generation import Generation
+from frontend_svc.service.http import sse
+from frontend_svc.service.http.dialect import Dialect
+from frontend_svc.service.http.errors import HttpError, bad_request
+from frontend_svc.service.http.fields import unencodable_field
+from frontend_svc.service.http.pacing import Pacer, paced
+from frontend_svc.service.planning import GenerateInput, Plan, RequestSizes
+from frontend_svc.text.output_processor import ChoiceOutput
+from frontend_svc.types import CallError, EngineUnavailableError
+from tandem_common.types import ErrorCode
+
+
+class Converted(Protocol):
+    """A generation request as its converter made it."""
+
+    input: GenerateInput
+    model: str | None
+    stream: bool
+
+
+class Answer(Protocol):
+    """An endpoint's answer, built from the call's pieces: whole, or as (event name, data) pairs."""
+
+    def add(self, piece: ChoiceOutput) -> None: ...
+    def response(self) -> dict: ...
+    def start_events(self) -> list[tuple[str, dict]]: ...
+    def events(self, piece: ChoiceOutput) -> list[tuple[str, dict]]: ...
+    def end_events(self) -> list[tuple[str, dict]]: ...
+
+
+class Endpoints:
+    def __init__(self, generation: Generation, max_body_bytes: int) -> None:
+        self.generation = generation
+        self.max_body_bytes = max_body_bytes
+        self.pacer = Pacer()  # streamed calls coalesce while the frontend is busy (pacing.py)
+
+    def route(
+        self, path: str, dialect: Dialect, handler: Callable[..., Awaitable[Response]], *, method: str = "POST"
+    ) -> Route:
+        """``handler(request, body)`` (a GET's: ``handler(request)``), its errors in ``dialect``."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if method == "GET":
+                    return await handler(request)
+                return await handler(request, await read_body(request, self.max_body_bytes))
+            except (HttpError, CallError, EngineUnavailableError) as e:
+                return dialect.response(e)
+
+        return Route(path, endpoint, methods=[method])
+
+    def generate(
+        self,
+        path: str,
+        dialect: Dialect,
+        convert: Callable[[Any], Converted],
+        answer: Callable[[Any, str, Plan], Answer],
+    ) -> Route:
+        async def handler(request: Request, body: Any) -> Response:
+            req = convert(body)
+            request_id = request.headers.get("x-request-id", "")
+            attributes = {"http.request.method": request.method, "http.route": request.url.path}
+            call = GenerateCall(self.generation, caller_of(request), request_id, attributes)
+            try:
+                plan = await call.plan(call_input(req.input, req.model))
+                reply = answer(req, call.model, plan)
+                if not req.stream:
+                    await until_disconnect(request, _collect(call.pieces(plan), reply))
+                    return Response(sse.dumps(reply.response()), media_type="application/json")
+            except BaseException:
+                call.end()  # a call whose pieces never ran ends here
+                raise
+            return CallStream(self._events(call, plan, reply, dialect), call)
+
+        return self.route(path, dialect, handler)
+
+    async def _events(
+        self, call: GenerateCall, plan: Plan, answer: Answer, dialect: Dialect
+    ) -> AsyncGenerator[bytes, None]:
+        try:
+            for name, obj in answer.start_events():
+                yield dialect.event(name, obj)
+            pieces = call.pieces(plan)
+            async with contextlib.aclosing(pieces):
+                async for piece in sse.with_pings(paced(pieces, self.pacer)):
+                    if piece is None:
+                        yield dialect.ping
+                        continue
+                    for name, obj in answer.events(piece):
+                        yield dialect.event(name, obj)
+            for name, obj in answer.end_events():
+                yield dialect.event(name, obj)
+        except (CallError, EngineUnavailableError) as e:
+            yield dialect.stream_error(e)
+        if dialect.done:
+            yield dialect.done
+
+
+def caller_of(request: Request) -> Caller:
+    host, port = (request.client.host, request.client.port) if request.client else ("", 0)
+    peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"  # as gRPC writes a peer
+    return Caller(tuple(request.headers.items()), peer)
+
+
+def call_input(gen: GenerateInput, model: str | None) -> CallInput:
+    p = gen.params
+    sizes = RequestSizes(
+        input=gen.input,
+        num_token_ids=len(gen.token_ids),
+        num_messages=len(gen.chat.messages) if gen.chat is not None else 0,
+        num_stop=len(gen.stop),
+        num_stop_token_ids=len(p.stop_token_ids),
+        num_logit_bias=len(p.logit_bias),
+    )
+    return CallInput(model, sizes, input_chars(gen), gen)
+
+
+def input_chars(gen: GenerateInput) -> int:
+    if gen.chat is not None:
+        return sum(len(m["content"]) for m in gen.chat.messages)
+    return len(gen.text) + 4 * len(gen.token_ids)
+
+
+async def _collect(pieces: AsyncGenerator[ChoiceOutput, None], answer: Answer) -> None:
+    async with contextlib.aclosing(pieces):
+        async for piece in pieces:
+            answer.add(piece)
+
+
+async def until_disconnect(request: Request, work: Awaitable[None]) -> None:
+    """Runs ``work`` (a whole answer) unless the client disconnects first, which cancels it
+    and so aborts its engine requests at once; raises what ``work`` raises."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not watch.done():
+                raise  # this handler itself was cancelled (shutdown)
+            # The client went away: the answer reaches nobody; the call ended CANCELLED.
+            raise CallError(ErrorCode.UNAVAILABLE, "the client disconnected") from None
+    finally:
+        watch.cancel()
+        task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class CallStream(StreamingResponse):
+    """An SSE response that ends its call however the response ends: a client that goes
+    away before the first chunk leaves the body generator unstarted, and the call's pieces
+    (which end it) never run; this one ends it."""
+
+    def __init__(self, content: AsyncGenerator[bytes, None], call: GenerateCall) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=sse.HEADERS)
+        self.call = call
+        self._content = content  # an async generator
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._content.aclose()  # a stream cut mid-way: its engine requests are aborted now
+            self.call.end()
+
+
+async def read_body(request: Request, max_bytes: int) -> Any:
+    """The request's JSON body: at most ``max_bytes`` (413), valid JSON, every string text (400)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise HttpError(400, "the client went away before the body was read") from None
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise HttpError(400, f"the request body is not valid JSON: {e}") from None
+    field = unencodable_field(raw, body)
+    if field is not None:
+        raise bad_request(
+            field, "holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair), which is not text"
+        )
+    return body
+
+
+def _too_large(limit: int) -> HttpError:
+    return HttpError(413, f"the request body is larger than this server's limit of {limit} bytes")
