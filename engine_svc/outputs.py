@@ -76,24 +76,21 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request id: the sampled token (only for requests with ``needs_sample``),
-    its logprobs when asked, prompt logprobs for the positions computed this step, and
-    errors.
+    """Per request id: the tokens it gets this step (only requests with ``needs_sample``):
+    one, or, scheduled with drafts, the drafts verification accepted and the token sampled
+    after them (accepted + 1); one logprob entry per token when logprobs are asked; prompt
+    logprobs for the positions computed this step; and errors.
 
-    A request scheduled with drafts gets ``spec_token_ids`` instead: the drafts verification
-    accepted, then the token sampled after them (so at least one token), with one entry of
-    ``spec_logprobs`` per token when logprobs are asked, and ``spec_num_drafts``: how many
-    of its drafts were verified (an output constraint cuts the ones it forbids).
+    ``num_verified_drafts``: for a request scheduled with drafts, how many of them were
+    verified (an output constraint cuts the ones it forbids).
 
     ``execute_s`` is the step's time in the runner, less the draft model's passes, which
     ``draft_passes`` lists as (rows, seconds): what the adaptive rule learns costs from.
     """
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprob] = field(default_factory=dict)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    spec_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
-    spec_num_drafts: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    num_verified_drafts: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     # Requests the runner could not serve (an output constraint that failed mid-way): the
     # scheduler finishes them with this error instead of keeping a token.

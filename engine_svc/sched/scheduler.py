@@ -36,7 +36,7 @@ from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.lora import LoraStepLimit
 from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
 from engine_svc.sched.spec import Speculator
-from engine_svc.types import ErrorCode, FinishReason, RequestError
+from engine_svc.types import ErrorCode, FinishReason, Logprob, RequestError
 from tandem_common.logs import printable
 
 logger = logging.getLogger(__name__)
@@ -352,53 +352,55 @@ class Scheduler:
             request = self.requests.get(s.request.request_id)
             if request is None:  # aborted after schedule(): drop what the runner made
                 continue
-            request_id = request.request_id
-            needs_sample = s.needs_sample  # read before num_computed_tokens moves
-            request.num_computed_tokens += s.num_new_tokens
-            prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
-            request.num_prompt_logprobs_done += len(prompt_logprobs)
-            new_token_ids, logprobs = [], []
-            if (error := runner_output.errors.get(request_id)) is not None:
-                outputs.append(self._finish_with_error(request, error))
-                continue
-            if needs_sample:
-                token_id = runner_output.sampled_token_ids.get(request_id)
-                if token_id is None:
-                    # Without a token the request could never be scheduled again.
-                    logger.error("model runner returned no token for %s", request_id)
-                    error = RequestError(ErrorCode.INTERNAL, "the model runner produced no token")
-                    outputs.append(self._finish_with_error(request, error))
-                    continue
-                token_ids = runner_output.spec_token_ids.get(request_id, [token_id])
-                num_tokens = request.num_tokens
-                token_logprobs = runner_output.spec_logprobs.get(request_id)
-                if token_logprobs is None:
-                    logprob = runner_output.logprobs.get(request_id)
-                    token_logprobs = [] if logprob is None else [logprob]
-                for i, token_id in enumerate(token_ids):
-                    request.append_output_token(token_id)
-                    new_token_ids.append(token_id)
-                    if i < len(token_logprobs):
-                        logprobs.append(token_logprobs[i])
-                    if check_stop(request, self.max_model_len):
-                        break
-                # Every emitted token but the last is an accepted draft: its K/V is written.
-                request.num_computed_tokens += len(new_token_ids) - 1
-                if s.draft_token_ids and self.speculator is not None:
-                    num_verified = runner_output.spec_num_drafts.get(request_id)
-                    self.speculator.record(
-                        request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified, num_tokens=num_tokens
-                    )
-            self.kv_cache_manager.cache_full_blocks(request)
-            if request.is_finished:
-                self._release(request)
-            if new_token_ids or prompt_logprobs or request.is_finished:
-                outputs.append(request_output(request, new_token_ids, logprobs, prompt_logprobs))
+            output = self._advance(request, s, runner_output)
+            if output is not None:
+                outputs.append(output)
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
         if self.speculator is not None:
             self.speculator.observe(scheduler_output, runner_output)
         return outputs
+
+    def _advance(self, request: Request, s: ScheduledRequest, runner_output: ModelRunnerOutput) -> EngineOutput | None:
+        """Move ``request`` past its share of the step: its computed tokens, its prompt
+        logprobs, the tokens it sampled (up to a stop); its output, if it has anything to say."""
+        request_id = request.request_id
+        needs_sample = s.needs_sample  # read before num_computed_tokens moves
+        request.num_computed_tokens += s.num_new_tokens
+        prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
+        request.num_prompt_logprobs_done += len(prompt_logprobs)
+        if (error := runner_output.errors.get(request_id)) is not None:
+            return self._finish_with_error(request, error)
+        new_token_ids: list[int] = []
+        logprobs: list[Logprob] = []
+        if needs_sample:
+            token_ids = runner_output.sampled_token_ids.get(request_id)
+            if not token_ids:
+                # Without a token the request could never be scheduled again.
+                logger.error("model runner returned no token for %s", request_id)
+                return self._finish_with_error(request, RequestError(ErrorCode.INTERNAL, "the model runner produced no token"))
+            num_tokens = request.num_tokens
+            token_logprobs = runner_output.logprobs.get(request_id, ())
+            for i, token_id in enumerate(token_ids):
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if i < len(token_logprobs):
+                    logprobs.append(token_logprobs[i])
+                if check_stop(request, self.max_model_len):
+                    break
+            # Every emitted token but the last is an accepted draft: its K/V is written.
+            request.num_computed_tokens += len(new_token_ids) - 1
+            if s.draft_token_ids and self.speculator is not None:
+                num_verified = runner_output.num_verified_drafts.get(request_id)
+                self.speculator.record(
+                    request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified, num_tokens=num_tokens
+                )
+        self.kv_cache_manager.cache_full_blocks(request)
+        if request.is_finished:
+            self._release(request)
+        if new_token_ids or prompt_logprobs or request.is_finished:
+            return request_output(request, new_token_ids, logprobs, prompt_logprobs)
+        return None
 
     # -- helpers ----------------------------------------------------------------------------
 

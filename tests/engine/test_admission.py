@@ -122,7 +122,7 @@ def test_admitted_means_it_runs_to_its_end_alone(num_prompt, max_tokens, block_s
     for _ in range(200):
         out = s.schedule()
         assert not out.is_empty, "an admitted request waits for blocks that never come"
-        sampled = {x.request.request_id: 1 for x in out.scheduled if x.needs_sample}
+        sampled = {x.request.request_id: [1] for x in out.scheduled if x.needs_sample}
         s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         if request.is_finished:
             break

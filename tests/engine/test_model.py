@@ -254,7 +254,7 @@ def test_prefill_in_one_chunk(runner, hf_llama):
     tokens = prompt(3, 30)
     req = Request("a", tokens, GREEDY)
     out = runner.execute(SchedulerOutput([ScheduledRequest(req, 30, blocks_of(0))]))
-    assert out.sampled_token_ids == {"a": hf_greedy(hf_llama, tokens, 1)[0]}
+    assert out.sampled_token_ids == {"a": [hf_greedy(hf_llama, tokens, 1)[0]]}
     assert out.prompt_logprobs == {} and out.logprobs == {}
 
 
@@ -269,9 +269,9 @@ def test_prefill_in_chunks_then_decode(runner, hf_llama):
     expected = hf_greedy(hf_llama, tokens, 4)
     for step in range(4):
         out = runner.execute(SchedulerOutput([ScheduledRequest(req, 1, blocks_of(1))]))
-        assert out.sampled_token_ids == {"a": expected[step]}
+        assert out.sampled_token_ids == {"a": [expected[step]]}
         req.num_computed_tokens += 1
-        req.append_output_token(out.sampled_token_ids["a"])
+        req.append_output_token(out.sampled_token_ids["a"][0])
 
 
 def drive(runner, requests: list[Request], num_outputs: int, budget: int) -> None:
@@ -297,7 +297,8 @@ def drive(runner, requests: list[Request], num_outputs: int, budget: int) -> Non
             r.num_computed_tokens += s.num_new_tokens
             r.num_prompt_logprobs_done += len(out.prompt_logprobs.get(r.request_id, []))
             if needs_sample:
-                r.append_output_token(out.sampled_token_ids[r.request_id])
+                (token_id,) = out.sampled_token_ids[r.request_id]
+                r.append_output_token(token_id)
                 if r.num_output_tokens == num_outputs:
                     finished.add(r.request_id)
             else:
@@ -344,9 +345,9 @@ def test_prompt_logprobs_across_chunks(runner, hf_llama, monkeypatch):
         assert len(entry.top) == 3
         assert entry.top[0][0] == int(ref[p].argmax())
     # The final chunk sampled, with its own logprobs.
-    assert out.sampled_token_ids["p"] == int(ref[-1].argmax())
-    assert out.logprobs["p"].logprob == pytest.approx(ref[-1].max().item(), abs=ATOL)
-    assert len(out.logprobs["p"].top) == 2
+    assert out.sampled_token_ids["p"] == [int(ref[-1].argmax())]
+    assert out.logprobs["p"][0].logprob == pytest.approx(ref[-1].max().item(), abs=ATOL)
+    assert len(out.logprobs["p"]) == 1 and len(out.logprobs["p"][0].top) == 2
 
 
 def test_attention_metadata_layout():

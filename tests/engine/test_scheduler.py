@@ -64,7 +64,7 @@ def make_request(
 
 
 def sample(out: SchedulerOutput, token: int = TOKEN) -> ModelRunnerOutput:
-    return ModelRunnerOutput(sampled_token_ids={s.request.request_id: token for s in out.scheduled if s.needs_sample})
+    return ModelRunnerOutput(sampled_token_ids={s.request.request_id: [token] for s in out.scheduled if s.needs_sample})
 
 
 def rows(out: SchedulerOutput) -> list[tuple[str, int, int]]:
@@ -324,7 +324,7 @@ class SlotCheckingRunner:
                 else:
                     self.slots[slot] = tuple(tokens[: pos + 1])
             if s.needs_sample:
-                result.sampled_token_ids[s.request.request_id] = sum(tokens) * 31 % vocab
+                result.sampled_token_ids[s.request.request_id] = [sum(tokens) * 31 % vocab]
         return result
 
 

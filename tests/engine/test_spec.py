@@ -215,9 +215,7 @@ def runner_output(out: SchedulerOutput, tokens: dict[str, list[int]]) -> ModelRu
     for s in out.scheduled:
         if s.needs_sample:
             rid = s.request.request_id
-            result.sampled_token_ids[rid] = tokens.get(rid, [99])[0]
-            if s.draft_token_ids:
-                result.spec_token_ids[rid] = tokens[rid]
+            result.sampled_token_ids[rid] = tokens[rid] if s.draft_token_ids else tokens.get(rid, [99])[:1]
     return result
 
 

@@ -177,7 +177,7 @@ class DraftModel:
         entries were written by its passes, the rejected ones' are overwritten later."""
         for s in drafts.drafted:
             request_id, n = s.request.request_id, s.request.num_tokens
-            num_accepted = len(output.spec_token_ids.get(request_id, [0])) - 1
+            num_accepted = len(output.sampled_token_ids.get(request_id, [0])) - 1
             self._num_computed[request_id] = min(n + len(s.draft_token_ids) - 1, n + num_accepted)
 
     def _catch_up_start(self, request: RequestView) -> int:

@@ -171,23 +171,17 @@ class VerifyRows:
         return cls(rows, views, groups, row_proposals if proposals else None)
 
     def accept(self, sampled: SamplerOutput, output: ModelRunnerOutput) -> None:
-        """Fill ``output`` from the sampled rows: one token per request without drafts,
-        the accepted drafts and the token after them for a request with drafts."""
+        """Fill ``output`` from the sampled rows: per request, the drafts accepted (while
+        each row's token equals the draft it judges) and the token after them."""
         for g in self.groups:
-            request_id = g.request.request_id
-            token_ids = sampled.token_ids[g.first : g.first + 1 + len(g.draft_token_ids)]
-            logprobs = sampled.logprobs[g.first : g.first + 1 + len(g.draft_token_ids)]
-            output.sampled_token_ids[request_id] = token_ids[0]
-            if g.num_scheduled_drafts:
-                output.spec_num_drafts[request_id] = len(g.draft_token_ids)
-            if not g.draft_token_ids:
-                if logprobs[0] is not None:
-                    output.logprobs[request_id] = logprobs[0]
-                continue
+            request_id, drafts = g.request.request_id, g.draft_token_ids
+            token_ids = sampled.token_ids[g.first : g.first + 1 + len(drafts)]
             num_accepted = 0
-            while num_accepted < len(g.draft_token_ids) and token_ids[num_accepted] == g.draft_token_ids[num_accepted]:
+            while num_accepted < len(drafts) and token_ids[num_accepted] == drafts[num_accepted]:
                 num_accepted += 1
-            output.spec_token_ids[request_id] = token_ids[: num_accepted + 1]
-            kept: list[Logprob] = [lp for lp in logprobs[: num_accepted + 1] if lp is not None]
+            output.sampled_token_ids[request_id] = token_ids[: num_accepted + 1]
+            kept: list[Logprob] = [lp for lp in sampled.logprobs[g.first : g.first + num_accepted + 1] if lp is not None]
             if kept:
-                output.spec_logprobs[request_id] = kept
+                output.logprobs[request_id] = kept
+            if g.num_scheduled_drafts:
+                output.num_verified_drafts[request_id] = len(drafts)
