@@ -65,6 +65,20 @@ class RequestView(Protocol):
         ...
 
     @property
+    def draft_base(self) -> RequestView:
+        """The request this row samples for: the request itself, or, at a draft row of
+        speculative decoding (``engine_svc/model/spec/verify.py``), the request whose
+        drafts the row judges. Per-request state (penalty counts, a grammar's matcher,
+        logit-bias tensors) is the base's."""
+        ...
+
+    @property
+    def draft_token_ids(self) -> Sequence[int]:
+        """The drafts before this row, which the sampler reads as output tokens after the
+        base's own; empty for a request's own row."""
+        ...
+
+    @property
     def num_computed_tokens(self) -> int: ...
 
     @property

@@ -503,6 +503,11 @@ class _WarmupRequest:
     num_prompt_logprobs_done: int = 0
     grammar: object | None = None
     lora_slot: int | None = None
+    draft_token_ids: Sequence[int] = ()
+
+    @property
+    def draft_base(self) -> _WarmupRequest:
+        return self
 
     @property
     def all_token_ids(self) -> Sequence[int]:

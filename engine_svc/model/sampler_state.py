@@ -65,8 +65,8 @@ class TokenCounts:
     def gather(self, requests: Sequence[RequestView]) -> tuple[torch.Tensor, torch.Tensor]:
         """Bring each request's row up to date; returns ([R, vocab] bool, [R, vocab] float32).
 
-        A draft row (a view with ``draft_base`` and ``draft_token_ids``, speculative
-        decoding) reads its request's row plus its drafts, added to the returned copy
+        A draft row (speculative decoding: ``RequestView.draft_base`` and
+        ``draft_token_ids``) reads its request's row plus its drafts, added to the returned copy
         only: the pooled counts follow the request's own output tokens, so a rejected
         draft leaves nothing to roll back.
         """
@@ -79,8 +79,8 @@ class TokenCounts:
         draft_rows: list[int] = []
         draft_cols: list[int] = []
         for j, view in enumerate(requests):
-            r = getattr(view, "draft_base", view)
-            drafts = [t for t in getattr(view, "draft_token_ids", ()) if 0 <= t < self.vocab_size]
+            r = view.draft_base
+            drafts = [t for t in view.draft_token_ids if 0 <= t < self.vocab_size]
             draft_rows += [j] * len(drafts)
             draft_cols += drafts
             entry = self._slots.get(r.request_id)
@@ -159,7 +159,7 @@ class SamplerState:
         step would cost every other request in the batch that much host time per token.
         A draft row's view shares its request's tensors (they do not depend on outputs).
         """
-        request = getattr(request, "draft_base", request)
+        request = request.draft_base
         entry = self._tensors.get(request.request_id)
         if entry is None or entry.owner is not request:  # new, or the id now names another request
             entry = self._tensors[request.request_id] = self._build_tensors(request)

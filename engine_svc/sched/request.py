@@ -78,6 +78,13 @@ class Request:
         # recomputed after preemption does not produce them again.
         self.num_prompt_logprobs_done = 0
 
+    # Its own row in a step, as the sampler reads it (``RequestView``): no drafts before it.
+    draft_token_ids: Sequence[int] = ()
+
+    @property
+    def draft_base(self) -> Request:
+        return self
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

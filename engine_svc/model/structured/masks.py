@@ -47,7 +47,7 @@ class GrammarMasks:
     def batch_mask(self, requests: Sequence[RequestView]) -> BatchMask | None:
         """Masks for the rows whose request has a grammar; None when no row has one.
 
-        A draft row (speculative decoding: a view with ``draft_base`` and
+        A draft row (speculative decoding: ``RequestView.draft_base`` and
         ``draft_token_ids``, ``engine_svc/model/spec/verify.py``) is masked by its
         request's matcher advanced through the drafts before it: depth by depth, each
         matcher consumes one more draft and the rows at that depth are filled; then every
@@ -56,10 +56,10 @@ class GrammarMasks:
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
-        bases = [_base(requests[i]) for i in rows]
+        bases = [requests[i].draft_base for i in rows]
         grammars = [_compiled(b) for b in bases]
         matchers = [self._caught_up(b, g) for b, g in zip(bases, grammars)]
-        depths = [len(_drafts(requests[i])) for i in rows]
+        depths = [len(requests[i].draft_token_ids) for i in rows]
         bitmask = np.zeros((len(rows), (grammars[0].vocab_size + 31) // 32), dtype=np.int32)
         # A request's first mask is its grammar's, computed at compile time, off this thread.
         fresh = {j for j, b in enumerate(bases) if depths[j] == 0 and self._states[b.request_id].num_consumed == 0}
@@ -82,7 +82,7 @@ class GrammarMasks:
             for j in at_depth:
                 m = matchers[j]
                 if depth > 0 and num_tried.get(id(m), (m, 0))[1] < depth:
-                    m.consume(_drafts(requests[rows[j]])[depth - 1 : depth])  # valid: cut before verification
+                    m.consume(requests[rows[j]].draft_token_ids[depth - 1 : depth])  # valid: cut before verification
                     num_tried[id(m)] = (m, depth)
             fill_bitmasks([(matchers[j], j) for j in at_depth], bitmask)
         for m, n in num_tried.values():
@@ -150,15 +150,6 @@ class GrammarMasks:
         allowed[index] = False
         has_other = allowed.any(dim=-1)  # [C]
         allowed[index] = was_allowed & ~has_other[index[0]]
-
-
-def _base(request: RequestView) -> RequestView:
-    """The request a draft row's view stands for (itself for a real row)."""
-    return getattr(request, "draft_base", request)
-
-
-def _drafts(request: RequestView) -> Sequence[int]:
-    return getattr(request, "draft_token_ids", ())
 
 
 def _compiled(request: RequestView) -> CompiledGrammar:
