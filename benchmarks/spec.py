@@ -113,10 +113,10 @@ def closed_loop(core, prompts: list[tuple[list[int], int]], concurrency: int, nu
 def measure_arm(core, prompts, concurrency: int, num_requests: int) -> dict:
     """One timed run of one arm, with the speculation figures it added (if any)."""
     speculator = core.scheduler.speculator
-    before = speculator.stats.snapshot() if speculator else None
+    before = speculator.snapshot()  # None: speculative decoding is off
     result = closed_loop(core, prompts, concurrency, num_requests)
     if before is not None:
-        after = speculator.stats.snapshot()
+        after = speculator.snapshot()
         result["num_draft_tokens"] = after.num_draft_tokens - before.num_draft_tokens
         result["num_accepted_tokens"] = after.num_accepted_tokens - before.num_accepted_tokens
         result["num_verifications"] = after.num_drafts - before.num_drafts

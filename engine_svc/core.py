@@ -31,7 +31,7 @@ from engine_svc.sched.kv_events import KvEventLog
 from engine_svc.sched.lora import LoraStepLimit
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler, SchedulerObserver
-from engine_svc.sched.spec import Speculator
+from engine_svc.sched.spec import NoSpeculation, Speculation, Speculator
 from engine_svc.types import ErrorCode, FinishReason, Logprob, RequestError, SamplingParams
 from tandem_common.block_hash import BlockHash
 from tandem_common.kv_events import KvEvent
@@ -100,11 +100,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
-            speculator=(
-                None
-                if config.speculative_config is None
-                else Speculator(config.speculative_config, max_model_len=self.max_model_len)
-            ),
+            speculator=_speculation(config, self.max_model_len),
             lora_limit=LoraStepLimit(config.lora.max_loras) if config.enable_lora else None,
         )
         self.limits = AdmissionLimits(
@@ -250,7 +246,7 @@ class EngineCore:
             draining=self.draining,
             step=step,
             structured=self.structured.stats(),
-            spec_decode=None if sched.speculator is None else sched.speculator.stats.snapshot(),
+            spec_decode=sched.speculator.snapshot(),
             lora_version=0 if self.lora is None else self.lora.version,
             lora_adapters=() if self.lora is None else self.lora.infos,
             lora_events=() if self.lora is None else self.lora.take_events(),
@@ -260,15 +256,13 @@ class EngineCore:
         """A first step, then, with speculative decoding, the step costs its adaptive rule
         weighs (timed dummy steps: a few seconds)."""
         self.runner.warmup()
-        sched, speculator = self.scheduler, self.scheduler.speculator
-        if speculator is not None:
-            max_rows = sched.max_num_seqs * (1 + speculator.config.num_speculative_tokens)
-            speculator.calibrate(
-                self.runner.time_steps,
-                self.runner.time_draft_passes if speculator.uses_draft_model else None,
-                max_rows=min(sched.max_num_batched_tokens, max_rows),
-                max_seqs=sched.max_num_seqs,
-            )
+        sched = self.scheduler
+        sched.speculator.calibrate(
+            self.runner.time_steps,
+            self.runner.time_draft_passes,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+        )
         return_freed_heap()  # what loading and the first steps freed
         if self.runner.device.type == "cpu":
             keep_step_buffers()  # from now on, what a step frees the next one reuses
@@ -399,6 +393,13 @@ class EngineCore:
 
 
 _counter = itertools.count()
+
+
+def _speculation(config: EngineConfig, max_model_len: int) -> Speculation:
+    """Speculative decoding as ``--speculative-config`` asks, or none."""
+    if config.speculative_config is None:
+        return NoSpeculation()
+    return Speculator(config.speculative_config, max_model_len=max_model_len)
 
 
 def _draft_model(config: EngineConfig) -> dict:

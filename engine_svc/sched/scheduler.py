@@ -15,8 +15,8 @@ A paused request (``pause_requests``: its client cannot keep up with its output)
 taken out of both queues the same way, blocks given back, and parked in ``paused``
 until ``resume_requests`` puts it back in the waiting queue; ``schedule()`` never sees it.
 
-With a ``Speculator`` (``sched/spec/``), a decoding request may also get draft tokens:
-their KV slots are reserved with its real token (and are the first thing given up when
+With speculative decoding (``sched/spec/``; ``NoSpeculation`` plans none), a decoding
+request may also get draft tokens: their KV slots are reserved with its real token (and are the first thing given up when
 blocks run out), they take rows of the budget, and ``update_from_output`` moves
 ``num_computed_tokens`` past the accepted ones only.
 """
@@ -35,7 +35,7 @@ from engine_svc.sched.admission import check_kv_capacity
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.lora import LoraStepLimit
 from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
-from engine_svc.sched.spec import Speculator
+from engine_svc.sched.spec import NoSpeculation, Speculation
 from engine_svc.types import ErrorCode, FinishReason, Logprob, RequestError
 from tandem_common.logs import printable
 
@@ -146,7 +146,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "fcfs",
-        speculator: Speculator | None = None,
+        speculator: Speculation | None = None,
         lora_limit: LoraStepLimit | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -161,7 +161,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self.observer: SchedulerObserver | None = None
-        self.speculator = speculator  # drafts for decoding requests; None: no speculation
+        self.speculator: Speculation = speculator or NoSpeculation()  # drafts for decoding requests
         self.lora_limit = lora_limit  # adapters one step may mix; None: no adapters
         # Ids that ended or were preempted since the last schedule(): the runner drops their state.
         self._finished_ids: set[str] = set()
@@ -283,7 +283,7 @@ class Scheduler:
         recompute when blocks run out. Returns (rows, budget left, whether it preempted)."""
         scheduled: dict[str, ScheduledRequest] = {}
         preempted = False
-        drafts = self._plan_drafts(budget)
+        drafts = self.speculator.plan(self.running, budget)  # by id, for requests that decode
         for request in list(self.running):
             if budget == 0:
                 break
@@ -357,8 +357,7 @@ class Scheduler:
                 outputs.append(output)
         if any(r.is_finished for r in self.running):
             self.running = [r for r in self.running if not r.is_finished]
-        if self.speculator is not None:
-            self.speculator.observe(scheduler_output, runner_output)
+        self.speculator.observe(scheduler_output, runner_output)
         return outputs
 
     def _advance(self, request: Request, s: ScheduledRequest, runner_output: ModelRunnerOutput) -> EngineOutput | None:
@@ -390,11 +389,10 @@ class Scheduler:
                     break
             # Every emitted token but the last is an accepted draft: its K/V is written.
             request.num_computed_tokens += len(new_token_ids) - 1
-            if s.draft_token_ids and self.speculator is not None:
-                num_verified = runner_output.num_verified_drafts.get(request_id)
-                self.speculator.record(
-                    request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified, num_tokens=num_tokens
-                )
+            num_verified = runner_output.num_verified_drafts.get(request_id)
+            self.speculator.record(
+                request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified, num_tokens=num_tokens
+            )
         self.kv_cache_manager.cache_full_blocks(request)
         if request.is_finished:
             self._release(request)
@@ -408,10 +406,6 @@ class Scheduler:
         """Register the blocks the step's ``num_new`` tokens of ``request`` fill (not its
         drafts', which may be rejected)."""
         self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
-
-    def _plan_drafts(self, budget: int) -> dict[str, list[int]]:
-        """Draft tokens of the requests that decode this step, by id (``sched/spec/``)."""
-        return {} if self.speculator is None else self.speculator.plan(self.running, budget)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -429,8 +423,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         self._finished_ids.add(request.request_id)  # the runner drops its per-request state
-        if self.speculator is not None:
-            self.speculator.drop_draft_cache(request.request_id)
+        self.speculator.drop_draft_cache(request.request_id)
 
     def _finish_with_error(self, request: Request, error: RequestError) -> EngineOutput:
         """Finish ``request`` with an in-band error; the caller takes it out of the queues."""
@@ -465,5 +458,4 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
-        if self.speculator is not None:
-            self.speculator.forget(request.request_id)
+        self.speculator.forget(request.request_id)

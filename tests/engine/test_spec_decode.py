@@ -44,7 +44,7 @@ def run(
     for _ in range(repeat):  # later rounds hit the prefix cache
         completions = core.generate(prompts, params, lora_names)
     speculator = core.scheduler.speculator
-    return completions, None if speculator is None else speculator.stats, core
+    return completions, None if spec is None else speculator.stats, core
 
 
 def prompts_of(seed: int, num: int, lo: int, hi: int) -> list[list[int]]:

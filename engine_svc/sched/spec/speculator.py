@@ -21,14 +21,15 @@ and the step costs measured on this machine, ``costs.py``), never more than
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, SchedulerOutput
+from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
 from engine_svc.sched.request import Request
 from engine_svc.sched.spec.config import SpeculativeConfig
 from engine_svc.sched.spec.costs import StepCosts, calibration_sizes
 from engine_svc.sched.spec.ngram import NgramIndex
 from engine_svc.sched.spec.plan import Offer, choose_drafts
+from engine_svc.sched.spec.speculation import Timer
 from engine_svc.sched.spec.stats import (
     INITIAL_ACCEPTANCE,
     POOL_DECAY,
@@ -60,9 +61,6 @@ MIN_COST_FACTOR, MAX_COST_FACTOR = 0.8, 4.0
 # the draft stopped paying where it pays most (1 in flight: 1.02x against 1.51-1.67x).
 DRAFT_MODEL_MIN_GAIN = 1.1
 
-# (rows, seconds) measurements of the given row counts (the runner's calibration).
-Timer = Callable[[list[int]], list[tuple[int, float]]]
-
 
 class _RequestSpec:
     __slots__ = ("acceptance", "draft_computed", "ngram")
@@ -76,7 +74,8 @@ class _RequestSpec:
 
 
 class Speculator:
-    """Proposes drafts for the scheduler, learns what they are worth, keeps the totals."""
+    """Proposes drafts for the scheduler, learns what they are worth, keeps the totals
+    (the scheduler's ``Speculation``, ``speculation.py``)."""
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
         config.check()
@@ -107,14 +106,17 @@ class Speculator:
 
     # -- start-up ---------------------------------------------------------------------
 
-    def calibrate(self, time_steps: Timer, time_draft_passes: Timer | None, *, max_rows: int, max_seqs: int) -> None:
+    def calibrate(
+        self, time_steps: Timer, time_draft_passes: Timer, *, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
         """Seed the step costs with timed dummy steps (the adaptive rule needs a cost for
-        a step with drafts before it has run one)."""
+        a step with drafts before it has run one): up to every request with all its drafts."""
         if not self.config.adaptive:
             return
+        max_rows = min(max_num_batched_tokens, max_num_seqs * (1 + self.config.num_speculative_tokens))
         self.step_costs.observe_all(time_steps(calibration_sizes(max_rows)))
-        if self.uses_draft_model and time_draft_passes is not None:
-            self.draft_costs.observe_all(time_draft_passes(calibration_sizes(max_seqs)))
+        if self.uses_draft_model:
+            self.draft_costs.observe_all(time_draft_passes(calibration_sizes(max_num_seqs)))
         logger.info(
             "speculative decoding: step seconds by rows %s",
             {n: round(s, 4) for n, s in self.step_costs.table().items()},
@@ -291,3 +293,6 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def snapshot(self) -> SpecDecodeStats:
+        return self.stats.snapshot()
