@@ -4,7 +4,8 @@
     positions, AttentionMetadata ─▶ model ─▶ hidden [num_tokens, hidden]
     ─▶ pick rows that need logits ─▶ lm_head ─▶ float32 ─▶ sampler ─▶ ModelRunnerOutput
     (draft tokens, when the scheduler sent some, are rows after their request's real ones
-    and are verified in the same sampler call: ``engine_svc/model/spec/``)
+    and are verified in the same sampler call: ``engine_svc/model/spec/``; a draft model
+    wraps this step, filling its draft slots first: ``model/spec/drafting.py``)
 
 Only the rows that need logits go through the LM head: the last row of each request whose
 chunk reaches its end (``needs_sample``) and the prompt rows whose prompt logprobs are
@@ -14,7 +15,8 @@ The runner never imports the scheduler.
 Construction, in order (``__init__`` only calls the steps): load the weights while the
 native kernels compile, and put the layers on the backend that ``backend.py`` chooses
 (native / oneDNN / torch, weights packed once); size and allocate the KV cache
-(``kv_memory.py``) and the attention workspace; make the sampler. ``max_model_len`` is
+(``kv_memory.py``, a draft model's beside the target's) and the attention workspace.
+The sampler is made before the draft model, which draws with it. ``max_model_len`` is
 resolved first, from the config: it sizes what the load builds (the native RoPE table), and
 with the default pool one full-length request must fit the memory available, so a model's
 context length alone never asks for more before anything is allocated.
@@ -46,9 +48,9 @@ from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
 from engine_svc.model.lora import LoraSlots
-from engine_svc.model.sampler import Sampler
+from engine_svc.model.sampler import Proposal, Sampler
 from engine_svc.model.served import load_served_model
-from engine_svc.model.spec import DraftModel, VerifyRows, attention_rows
+from engine_svc.model.spec import Drafter, DraftModel, NoDraftModel, VerifyRows, attention_rows
 from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import SamplingParams
@@ -109,18 +111,16 @@ class ModelRunner:
         self.step_work = StepWork.of_model(self.model_args)
         self.vocab_size = self.model_args.vocab_size
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
-        self.kv_cache_populate = kv_cache_populate
-        self.kv_cache_populate_seconds = kv_cache_populate_seconds
+        self.sampler = Sampler(self.vocab_size, self.device, self.kernels)
+        self.sampler.generator.manual_seed(seed)
         self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
-        self.kv_caches = self._allocate_kv_cache()
+        self.kv_caches = self._allocate_kv_cache(kv_cache_populate, kv_cache_populate_seconds)
         self.workspace = self._allocate_workspace()
         self.attention = AttentionSetup(
             block_size, self.device, self.dtype, self.workspace, self.kernels, self.native_prefill,
             self.model_args.sliding_window,
         )  # fmt: skip
-        self.sampler = Sampler(self.vocab_size, self.device, self.kernels)
-        self.sampler.generator.manual_seed(seed)
 
     # -- construction steps ------------------------------------------------------------
 
@@ -159,10 +159,11 @@ class ModelRunner:
 
     def _load_drafter(
         self, path: str | None, quantization: str, model_dir: str, kernels: str, batch_size_hint: int
-    ) -> DraftModel | None:
+    ) -> Drafter:
         """Speculative decoding's draft model, where one is configured (``model/spec/drafter.py``)."""
         if path is None:
-            return None
+            return NoDraftModel()
+        governor = self.threads
         return DraftModel(
             path,
             target_dir=model_dir,
@@ -175,6 +176,8 @@ class ModelRunner:
             kernels=kernels,
             batch_size_hint=batch_size_hint,
             quantization=quantization,
+            sampler=self.sampler,
+            all_threads=contextlib.nullcontext if governor is None else governor.all_threads,
         )
 
     def _lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots | None:
@@ -246,8 +249,7 @@ class ModelRunner:
             head_dim=args.head_dim,
             dtype=self.kv_dtype,
         )
-        if self.drafter is not None:  # its cache has a block for every one of the target's
-            block_bytes += self.drafter.bytes_per_block
+        block_bytes += self.drafter.bytes_per_block  # a draft model's cache has a block for every one of the target's
         num_blocks = size_kv_cache(
             num_kv_blocks=num_kv_blocks,
             kv_cache_bytes=kv_cache_bytes,
@@ -259,7 +261,7 @@ class ModelRunner:
         )
         return block_bytes, num_blocks
 
-    def _allocate_kv_cache(self) -> list[KVCache]:
+    def _allocate_kv_cache(self, populate: bool, populate_seconds: float | None) -> list[KVCache]:
         args = self.model_args
         start = time.perf_counter()
         kv_caches = allocate_kv_cache(
@@ -271,12 +273,10 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
-        if self.drafter is not None:
-            self.drafter.allocate(self.num_kv_blocks)
+        self.drafter.allocate(self.num_kv_blocks)
         populated = ""
-        if self.kv_cache_populate:
-            pools = kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
-            done = populate_kv_cache(pools, self.kv_cache_populate_seconds)
+        if populate:
+            done = populate_kv_cache(kv_caches + self.drafter.kv_caches, populate_seconds)
             seconds = time.perf_counter() - start
             populated = (
                 f", populated in {seconds:.2f} s"
@@ -311,44 +311,25 @@ class ModelRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
-        if self.drafter is not None:
-            self.drafter.forget(scheduler_output.finished_request_ids)
-        output = ModelRunnerOutput()
+        self.drafter.forget(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
-            return output
-        # The batch order is the runner's alone (outputs are keyed by request id): decodes
-        # (with their drafts, which attend as decode rows: model/spec/layout.py) first,
-        # sorted by context length so that neighbours in a decode group pad little (by LoRA
-        # adapter first, so that each adapter's rows are one run in the GEMM's LoRA term),
-        # then prefill chunks.
-        decodes = sorted(
-            (s for s in scheduler_output.scheduled if s.num_new_tokens == 1),
-            key=lambda s: (-1 if s.request.lora_slot is None else s.request.lora_slot, s.start),
-        )
-        chunks = [s for s in scheduler_output.scheduled if s.num_new_tokens != 1]
-        batch = decodes + chunks
+            return ModelRunnerOutput()
+        return self.drafter.step(batch_order(scheduler_output.scheduled), self._step)
 
+    def _step(self, batch: list[ScheduledRequest], proposals: dict[str, list[Proposal]]) -> ModelRunnerOutput:
+        """The target's forward over ``batch``, then its rows sampled: each request's next
+        token, or its drafts verified (``proposals``: a draft model's q, by request), and the
+        prompt logprobs owed."""
         t0 = time.perf_counter()
         if self.threads is not None:
-            self.threads.before_step(scheduler_output.num_tokens)
-        # A draft model fills the scheduler's draft slots first (model/spec/drafter.py), on
-        # every thread: the governor's choice is for the step's rows, not the passes'.
-        drafts = None
-        if self.drafter is not None and any(s.draft_token_ids for s in batch):
-            with self.threads.all_threads() if self.threads is not None else contextlib.nullcontext():
-                drafts = self.drafter.propose(batch, self.sampler)
-        if drafts is not None:
-            batch = drafts.batch
+            self.threads.before_step(sum(s.num_scheduled_tokens for s in batch))
         input_ids, positions, meta = self._prepare_inputs(batch)
         sample_rows, sample_requests, logprob_jobs = logits_rows(batch)
         # Each request with drafts samples at its last real row and at every draft row.
         verify = VerifyRows.of(
-            batch,
-            sample_rows,
-            sample_requests,
-            self.sampler.state.grammars.num_valid_drafts,
-            None if drafts is None else drafts.proposals,
+            batch, sample_rows, sample_requests, self.sampler.state.grammars.num_valid_drafts, proposals
         )
+        output = ModelRunnerOutput()
         with torch.inference_mode():
             hidden = self._forward(batch, input_ids, positions, meta)  # [num_tokens, hidden]
             if verify.rows:
@@ -363,14 +344,9 @@ class ModelRunner:
                     logits = self._logits(hidden, job.rows[i : i + PROMPT_LOGITS_CHUNK])
                     targets = job.target_token_ids[i : i + PROMPT_LOGITS_CHUNK]
                     entries += self.sampler.prompt_logprobs(logits, targets, job.num_top)
-        seconds = time.perf_counter() - t0
-        if self.threads is not None:  # timed without the draft passes, which ran on every thread
-            self.threads.after_step(seconds - (drafts.seconds if drafts is not None else 0.0), self.step_work.of(batch))
-        output.execute_s = seconds
-        if drafts is not None and self.drafter is not None:
-            self.drafter.commit(drafts, output)
-            output.execute_s -= drafts.seconds
-            output.draft_passes = drafts.passes
+        output.execute_s = time.perf_counter() - t0
+        if self.threads is not None:
+            self.threads.after_step(output.execute_s, self.step_work.of(batch))
         return output
 
     def _forward(
@@ -449,10 +425,21 @@ class ModelRunner:
     def time_draft_passes(self, sizes: list[int]) -> list[tuple[int, float]]:
         """(rows, seconds) of the draft model's passes of each of ``sizes`` rows, timed as
         ``time_steps`` times steps; none without a draft model."""
-        if self.drafter is None:
-            return []
         context = min(CALIBRATION_CONTEXT, self.max_model_len - 1, self.num_kv_blocks * self.block_size - 1)
         return self.drafter.time_passes(sizes, context, CALIBRATION_BUDGET_S / 2) if context >= 1 else []
+
+
+def batch_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The step's rows in the runner's order (outputs are keyed by request id, so the order
+    is the runner's alone): decodes (with their drafts, which attend as decode rows:
+    model/spec/layout.py) first, sorted by context length so that neighbours in a decode
+    group pad little (by LoRA adapter first, so that each adapter's rows are one run in the
+    GEMM's LoRA term), then prefill chunks."""
+    decodes = sorted(
+        (s for s in scheduled if s.num_new_tokens == 1),
+        key=lambda s: (-1 if s.request.lora_slot is None else s.request.lora_slot, s.start),
+    )
+    return decodes + [s for s in scheduled if s.num_new_tokens != 1]
 
 
 def lora_rows(batch: list[ScheduledRequest]) -> list[int] | None:

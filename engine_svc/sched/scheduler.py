@@ -16,9 +16,9 @@ taken out of both queues the same way, blocks given back, and parked in ``paused
 until ``resume_requests`` puts it back in the waiting queue; ``schedule()`` never sees it.
 
 With speculative decoding (``sched/spec/``; ``NoSpeculation`` plans none), a decoding
-request may also get draft tokens: their KV slots are reserved with its real token (and are the first thing given up when
-blocks run out), they take rows of the budget, and ``update_from_output`` moves
-``num_computed_tokens`` past the accepted ones only.
+request may also get draft tokens: their KV slots are reserved with its real token (and
+are the first thing given up when blocks run out), they take rows of the budget, and
+``update_from_output`` moves ``num_computed_tokens`` past the accepted ones only.
 """
 
 from __future__ import annotations
@@ -377,7 +377,8 @@ class Scheduler:
             if not token_ids:
                 # Without a token the request could never be scheduled again.
                 logger.error("model runner returned no token for %s", request_id)
-                return self._finish_with_error(request, RequestError(ErrorCode.INTERNAL, "the model runner produced no token"))
+                error = RequestError(ErrorCode.INTERNAL, "the model runner produced no token")
+                return self._finish_with_error(request, error)
             num_tokens = request.num_tokens
             token_logprobs = runner_output.logprobs.get(request_id, ())
             for i, token_id in enumerate(token_ids):

@@ -4,7 +4,8 @@ draft model (``drafter.py``). The scheduler side (``engine_svc/sched/spec.py``) 
 the drafts; the runner only ever sees them in ``ScheduledRequest.draft_token_ids``."""
 
 from engine_svc.model.spec.drafter import DraftModel
+from engine_svc.model.spec.drafting import Drafter, NoDraftModel
 from engine_svc.model.spec.layout import attention_rows
 from engine_svc.model.spec.verify import PositionView, VerifyRows
 
-__all__ = ["DraftModel", "PositionView", "VerifyRows", "attention_rows"]
+__all__ = ["DraftModel", "Drafter", "NoDraftModel", "PositionView", "VerifyRows", "attention_rows"]

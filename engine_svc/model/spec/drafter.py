@@ -1,13 +1,14 @@
 """The draft model of ``{"method": "draft_model"}``: a smaller model with the target's
 vocabulary that fills the scheduler's ``MODEL_DRAFT`` slots in the step itself.
 
-    runner.execute():
-        drafts = drafter.propose(batch, sampler)  k passes of the draft model -> draft tokens
-        the target's forward and verification     (verify.py: greedy and seeded rows keep a
-                                                    draft equal to their own token, sampled
-                                                    rows judge it against q, the draft's
-                                                    distribution, by rejection sampling)
-        drafter.commit(drafts, output)            its cache is valid up to the accepted tokens
+    DraftModel.step(batch, target_step), around the target's step (``drafting.py``):
+        drafts = propose(batch)               k passes of the draft model -> draft tokens
+        target_step(drafts.batch, proposals)  the target's forward and verification
+                                              (verify.py: greedy and seeded rows keep a
+                                              draft equal to their own token, sampled
+                                              rows judge it against q, the draft's
+                                              distribution, by rejection sampling)
+        commit(drafts, output)                its cache is valid up to the accepted tokens
 
 Its KV cache is its own tensors, addressed by the target's block tables: position p of a
 request lives in the same block and slot in both caches, so the scheduler's reservation
@@ -31,9 +32,12 @@ logits), and q goes to verification with it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +49,7 @@ from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block
 from engine_svc.model.sampler import Proposal, Sampler
 from engine_svc.model.sampler_stages import argmax_rows, is_greedy
 from engine_svc.model.served import load_served_model
+from engine_svc.model.spec.drafting import TargetStep
 from engine_svc.model.spec.vocab import check_same_vocabulary
 from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, ScheduledRequest
 from engine_svc.types import RequestView
@@ -60,7 +65,6 @@ class Drafts:
     # Unseeded sampled requests' drafts with the distributions they were drawn from.
     proposals: dict[str, list[Proposal]] = field(default_factory=dict)
     passes: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds) per pass
-    seconds: float = 0.0
     drafted: list[ScheduledRequest] = field(default_factory=list)  # the filled entries
 
 
@@ -79,7 +83,12 @@ class DraftModel:
         kernels: str,
         batch_size_hint: int,
         quantization: str,
+        sampler: Sampler,
+        all_threads: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
+        """``sampler``: the target's, whose row transforms draw the drafts of sampled rows;
+        ``all_threads``: the passes run on every thread (``threads.py``: the step's count is
+        chosen for the step's rows, not for theirs)."""
         model_dir, self.name = resolve_model_dir(model_path)
         build = KernelBuild.start(kernels, device, dtype)
         self.model, self.args, backend = load_served_model(
@@ -118,6 +127,7 @@ class DraftModel:
         self.attention = AttentionSetup(
             block_size, device, dtype, self.workspace, self.kernels, self.native_prefill, self.args.sliding_window
         )
+        self.sampler, self.all_threads = sampler, all_threads
         self._num_computed: dict[str, int] = {}  # request id -> positions its cache holds
         logger.info("draft model %s: %s", self.name, backend.describe())
 
@@ -134,19 +144,31 @@ class DraftModel:
             device=self.device,
         )
 
-    def forget(self, request_ids: set[str] | list[str]) -> None:
+    def forget(self, request_ids: Collection[str]) -> None:
         for request_id in request_ids:
             self._num_computed.pop(request_id, None)
 
     # -- the step -------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def propose(self, batch: list[ScheduledRequest], sampler: Sampler) -> Drafts | None:
+    def step(self, batch: list[ScheduledRequest], target_step: TargetStep) -> ModelRunnerOutput:
+        """The target's step on ``batch`` with its ``MODEL_DRAFT`` slots filled first."""
+        drafts = self.propose(batch)
+        if drafts is None:
+            return target_step(batch, {})
+        output = target_step(drafts.batch, drafts.proposals)
+        self.commit(drafts, output)
+        output.draft_passes = drafts.passes
+        return output
+
+    def propose(self, batch: list[ScheduledRequest]) -> Drafts | None:
         """Fill every ``MODEL_DRAFT`` slot of ``batch``; None when it has none."""
         drafting = [s for s in batch if s.draft_token_ids and s.draft_token_ids[0] == MODEL_DRAFT]
         if not drafting:
             return None
-        start = time.perf_counter()
+        with self.all_threads(), torch.inference_mode():
+            return self._propose(batch, drafting)
+
+    def _propose(self, batch: list[ScheduledRequest], drafting: list[ScheduledRequest]) -> Drafts:
         drafts = Drafts(batch)
         tokens: dict[str, list[int]] = {s.request.request_id: [] for s in drafting}
         # Pass 0: each request from where its cache ends to its last token; decodes lead.
@@ -161,7 +183,7 @@ class DraftModel:
                 token_ids = [[tokens[s.request.request_id][-1]] for s in current]
             t0 = time.perf_counter()
             logits = self._forward(token_ids, starts, [s.block_ids for s in current])  # [len(current), vocab]
-            for s, token_id, proposal in zip(current, *self._choose(logits, current, sampler)):
+            for s, token_id, proposal in zip(current, *self._choose(logits, current)):
                 tokens[s.request.request_id].append(token_id)
                 if proposal is not None:
                     drafts.proposals.setdefault(s.request.request_id, []).append(proposal)
@@ -169,7 +191,6 @@ class DraftModel:
         filled = {id(s): dataclasses.replace(s, draft_token_ids=tokens[s.request.request_id]) for s in drafting}
         drafts.batch = [filled.get(id(s), s) for s in batch]
         drafts.drafted = list(filled.values())
-        drafts.seconds = time.perf_counter() - start
         return drafts
 
     def commit(self, drafts: Drafts, output: ModelRunnerOutput) -> None:
@@ -197,7 +218,7 @@ class DraftModel:
         return logits[:, : self.vocab_size].float()
 
     def _choose(
-        self, logits: torch.Tensor, scheduled: list[ScheduledRequest], sampler: Sampler
+        self, logits: torch.Tensor, scheduled: list[ScheduledRequest]
     ) -> tuple[list[int], list[Proposal | None]]:
         """A draft token per row of ``logits`` [n, vocab]: the argmax at greedy and seeded
         rows, a draw from q elsewhere (with q, widened to the target's vocabulary)."""
@@ -208,6 +229,7 @@ class DraftModel:
             for i, s in enumerate(scheduled)
             if not is_greedy(s.request.sampling_params) and s.request.sampling_params.seed is None
         ]
+        sampler = self.sampler
         if drawn:
             q = sampler.probabilities(logits[drawn], [scheduled[i].request for i in drawn])  # [d, vocab]
             if self.vocab_size < self.target_vocab_size:

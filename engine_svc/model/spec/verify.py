@@ -180,7 +180,8 @@ class VerifyRows:
             while num_accepted < len(drafts) and token_ids[num_accepted] == drafts[num_accepted]:
                 num_accepted += 1
             output.sampled_token_ids[request_id] = token_ids[: num_accepted + 1]
-            kept: list[Logprob] = [lp for lp in sampled.logprobs[g.first : g.first + num_accepted + 1] if lp is not None]
+            logprobs = sampled.logprobs[g.first : g.first + num_accepted + 1]
+            kept: list[Logprob] = [lp for lp in logprobs if lp is not None]
             if kept:
                 output.logprobs[request_id] = kept
             if g.num_scheduled_drafts:
