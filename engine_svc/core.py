@@ -19,20 +19,20 @@ from dataclasses import dataclass, field
 
 from engine_svc.config import EngineConfig
 from engine_svc.grammar_compiler import GrammarCompiler
-from engine_svc.lora_registry import LoraRefusedError, LoraRegistry
+from engine_svc.lora_registry import AdapterRegistry, LoraRegistry, NoLoraRegistry
 from engine_svc.model.gguf_checkpoint import resolve_model_dir
-from engine_svc.model.lora import LoraAdapter
+from engine_svc.model.lora import LoraAdapter, LoraSlots
 from engine_svc.model.runner import ModelRunner
 from engine_svc.model.served import keep_step_buffers, return_freed_heap
 from engine_svc.outputs import EngineOutput, EngineStats, LoraAdapterInfo, ModelInfo, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
 from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.kv_events import KvEventLog
-from engine_svc.sched.lora import LoraStepLimit
+from engine_svc.sched.lora import LoraStepLimit, NoLoraLimit
 from engine_svc.sched.request import Request, request_output
 from engine_svc.sched.scheduler import Scheduler, SchedulerObserver
 from engine_svc.sched.spec import NoSpeculation, Speculation, Speculator
-from engine_svc.types import ErrorCode, FinishReason, Logprob, RequestError, SamplingParams
+from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
 from tandem_common.block_hash import BlockHash
 from tandem_common.kv_events import KvEvent
 
@@ -101,7 +101,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             speculator=_speculation(config, self.max_model_len),
-            lora_limit=LoraStepLimit(config.lora.max_loras) if config.enable_lora else None,
+            lora_limit=LoraStepLimit(config.lora.max_loras) if config.enable_lora else NoLoraLimit(),
         )
         self.limits = AdmissionLimits(
             self.vocab_size, self.max_model_len, config.max_waiting, self.runner.num_kv_blocks * config.block_size
@@ -114,7 +114,7 @@ class EngineCore:
             enabled=config.structured_output,
             timeout_s=config.structured_output_timeout_s,
         )
-        self.lora = self._lora_registry(config)  # None: the engine serves no adapters
+        self.lora = self._lora_registry(config)
         self.draining = False  # refuse new requests (UNAVAILABLE); running ones go on
         self._last_step: StepStats | None = None
         self.num_steps = 0
@@ -148,8 +148,8 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting + self.structured.num_waiting,
             draining=self.draining,
         )
-        if error is None and request.lora_name is not None:
-            error = self._acquire_lora(request)
+        if error is None:
+            error = self.lora.acquire(request)  # its adapter's slot and digest, if it names one
         if error is not None:
             return self.refuse(request, error)
         if request.sampling_params.structured is not None:
@@ -157,7 +157,9 @@ class EngineCore:
             if grammar is None:
                 return None
             if isinstance(grammar, RequestError):
-                return self.refuse(request, grammar)
+                output = self.refuse(request, grammar)
+                self.lora.release([output])  # it held its adapter from acquire on
+                return output
             request.grammar = grammar
         self.scheduler.add_request(request)
         return None
@@ -185,7 +187,7 @@ class EngineCore:
         for request in self.structured.abort(request_ids):
             request.finish(reason)
             outputs.append(request_output(request))
-        return outputs
+        return self._released(outputs)
 
     def pause(self, request_ids: Iterable[str]) -> None:
         self.scheduler.pause_requests(request_ids)
@@ -197,7 +199,7 @@ class EngineCore:
         request_ids = list(request_ids)
         outputs = self.scheduler.fail_requests(request_ids, error)
         outputs += [self.refuse(request, error) for request in self.structured.abort(request_ids)]
-        return outputs
+        return self._released(outputs)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.structured.num_waiting > 0
@@ -227,6 +229,11 @@ class EngineCore:
         if not scheduler_output.is_empty:
             self.num_steps += 1
             self._last_step = StepStats(time.perf_counter() - t0, scheduler_output.num_tokens)
+        return self._released(outputs)
+
+    def _released(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        """``outputs``, once the requests they finish have let go of their adapters."""
+        self.lora.release(outputs)
         return outputs
 
     def make_stats(self) -> EngineStats:
@@ -247,9 +254,9 @@ class EngineCore:
             step=step,
             structured=self.structured.stats(),
             spec_decode=sched.speculator.snapshot(),
-            lora_version=0 if self.lora is None else self.lora.version,
-            lora_adapters=() if self.lora is None else self.lora.infos,
-            lora_events=() if self.lora is None else self.lora.take_events(),
+            lora_version=self.lora.version,
+            lora_adapters=self.lora.infos,
+            lora_events=self.lora.take_events(),
         )
 
     def warmup(self) -> None:
@@ -280,58 +287,32 @@ class EngineCore:
             device=self.device,
             block_size=self.block_size,
             num_kv_blocks=runner.num_kv_blocks,
-            max_loras=0 if self.lora is None else self.lora.config.max_loras,
+            max_loras=self.lora.max_loras,
         )
 
     # -- LoRA adapters (lora_registry.py) ----------------------------------------------------
 
-    def _lora_registry(self, config: EngineConfig) -> LoraRegistry | None:
-        """The adapters' registry with --lora-modules loaded, or None without --enable-lora."""
-        if self.runner.lora is None:
-            return None
+    def _lora_registry(self, config: EngineConfig) -> AdapterRegistry:
+        """The adapters' registry with --lora-modules loaded; without --enable-lora, none."""
+        if not isinstance(self.runner.lora, LoraSlots):
+            return NoLoraRegistry()
         registry = LoraRegistry(self.runner.lora, self.runner.model_args, config.lora)
         for name, path in config.lora.modules:
-            registry.add(registry.read(name, path), self._loras_in_use)
+            registry.add(registry.read(name, path))
         return registry
-
-    def _loras_in_use(self) -> list[str]:
-        """The adapter of every unfinished request, once per request."""
-        requests = [*self.scheduler.requests.values(), *self.structured.waiting_requests()]
-        return [r.lora_name for r in requests if r.lora_name is not None]
-
-    def _acquire_lora(self, request: Request) -> RequestError | None:
-        """Give ``request`` its adapter's slot and digest, or say why it cannot run."""
-        assert request.lora_name is not None
-        if self.lora is None:
-            return RequestError(
-                ErrorCode.NOT_FOUND,
-                f"no LoRA adapter named {request.lora_name!r}: this engine serves none (start it with --enable-lora)",
-                "lora_name",
-            )
-        acquired = self.lora.acquire(request.lora_name, self._loras_in_use)
-        if isinstance(acquired, RequestError):
-            return acquired
-        request.lora_slot, request.cache_salt = acquired
-        return None
 
     def read_lora(self, name: str, path: str) -> LoraAdapter:
         """Read and check an adapter directory; any thread (LoraRefusedError says why not)."""
-        if self.lora is None:
-            raise _lora_off()
         return self.lora.read(name, path)
 
     def load_lora(self, adapter: LoraAdapter) -> LoraAdapterInfo:
         """Serve ``adapter`` (engine thread); LoraRefusedError says why not."""
-        if self.lora is None:
-            raise _lora_off()
-        self.lora.add(adapter, self._loras_in_use)
+        self.lora.add(adapter)
         return next(info for info in self.lora.infos if info.name == adapter.name)
 
     def unload_lora(self, name: str) -> str:
         """Stop serving adapter ``name`` (engine thread) and return it; LoraRefusedError says why not."""
-        if self.lora is None:
-            raise _lora_off()
-        self.lora.remove(name, self._loras_in_use)
+        self.lora.remove(name)
         return name
 
     # -- what a loop driving the core from its own thread hooks into ----------------------
@@ -408,12 +389,6 @@ def _draft_model(config: EngineConfig) -> dict:
     if spec is None or spec.method != "draft_model":
         return {}
     return {"draft_model": spec.model, "draft_quantization": spec.quantization}
-
-
-def _lora_off() -> LoraRefusedError:
-    return LoraRefusedError(
-        ErrorCode.FAILED_PRECONDITION, "this engine serves no LoRA adapters: start it with --enable-lora"
-    )
 
 
 def _merge(completion: Completion, out: EngineOutput) -> None:

@@ -4,14 +4,18 @@
                  loaded at run time through the LoadLoraAdapter RPC)
     resident     name -> slot, at most --max-cpu-loras of them, least recently used first:
                  the adapters whose weights are in memory (model/lora/slots.py)
-    in use       the adapters of unfinished requests: never evicted nor unloaded
+    in use       the adapters of unfinished requests: never evicted nor unloaded; the
+                 registry counts them itself, a reference per request from ``acquire``
+                 until ``release`` sees the request's finished output
 
 A request names its adapter; admission (``acquire``) gives it the adapter's slot and digest,
 reading the adapter back from its directory first if it was evicted to make room for
 another (this runs on the engine thread: a disk read between two steps, logged with its
 time). If every slot holds an adapter in use, the request is refused with
 RESOURCE_EXHAUSTED: retrying once others finish can succeed. How many adapters one step may
-mix is the scheduler's rule (sched/lora.py, --max-loras).
+mix is the scheduler's rule (sched/lora.py, --max-loras). The core hands every output it
+returns to ``release``: each way a request ends (a step, an abort, a failure, a refusal)
+ends in a finished output, which drops its reference.
 
 Unloading an adapter that unfinished requests use is refused (FAILED_PRECONDITION, with
 their number): an operator unloads after routing traffic elsewhere, and no request ever
@@ -22,20 +26,25 @@ differs, never hits the blocks cached under the old one.
 Everything here runs on the engine thread but ``read``, which parses and checks a
 directory (any thread: the servicer runs it off the event loop before handing the result
 over). ``infos`` is an immutable snapshot, replaced whole on every change (``version``).
+
+An engine started without --enable-lora has a ``NoLoraRegistry``: no adapters, requests
+that name one refused, loads and unloads refused with the flag to start with.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from engine_svc.model.args import ModelArgs
 from engine_svc.model.lora import LoraAdapter, LoraError, LoraSlots, read_adapter
-from engine_svc.outputs import LoraAdapterInfo
+from engine_svc.outputs import EngineOutput, LoraAdapterInfo
+from engine_svc.sched.request import Request
 from engine_svc.types import ErrorCode, RequestError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +80,34 @@ class _Registered:
     loaded_at: float  # time.time()
 
 
+class AdapterRegistry(Protocol):
+    """What the core asks of the LoRA adapters it serves (all on the engine thread but ``read``)."""
+
+    version: int
+    infos: tuple[LoraAdapterInfo, ...]
+
+    @property
+    def max_loras(self) -> int:
+        """Adapters one step may mix; 0: the engine serves none."""
+        ...
+
+    def read(self, name: str, path: str | Path) -> LoraAdapter: ...
+
+    def add(self, adapter: LoraAdapter, *, seconds: float = 0.0) -> None: ...
+
+    def remove(self, name: str) -> None: ...
+
+    def acquire(self, request: Request) -> RequestError | None:
+        """Give ``request`` its adapter's slot and digest, if it names one, or say why it cannot run."""
+        ...
+
+    def release(self, outputs: Iterable[EngineOutput]) -> None:
+        """Drop the references of the requests these outputs finish."""
+        ...
+
+    def take_events(self) -> tuple[tuple[str, float], ...]: ...
+
+
 class LoraRegistry:
     def __init__(self, slots: LoraSlots, args: ModelArgs, config: LoraConfig) -> None:
         self.slots = slots
@@ -82,6 +119,12 @@ class LoraRegistry:
         self.version = 0
         self.infos: tuple[LoraAdapterInfo, ...] = ()
         self._events: list[tuple[str, float]] = []  # (load | unload | reload, seconds) since take_events
+        self._users: dict[str, str] = {}  # request id -> the adapter it holds a reference to
+        self._num_users: Counter[str] = Counter()  # adapter name -> unfinished requests using it
+
+    @property
+    def max_loras(self) -> int:
+        return self.config.max_loras
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         """The adapter in ``path``, checked against the model (any thread); LoraRefusedError
@@ -92,7 +135,7 @@ class LoraRegistry:
         except LoraError as e:
             raise LoraRefusedError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
 
-    def add(self, adapter: LoraAdapter, in_use: Callable[[], Collection[str]], *, seconds: float = 0.0) -> None:
+    def add(self, adapter: LoraAdapter, *, seconds: float = 0.0) -> None:
         """Register ``adapter`` and put it in a slot (evicting the least recently used
         adapter no request uses; if all are in use it stays registered, and is read back
         when a request names it)."""
@@ -106,7 +149,7 @@ class LoraRegistry:
                 ErrorCode.RESOURCE_EXHAUSTED, f"this engine holds {MAX_REGISTERED} adapter names; unload some first"
             )
         start = time.perf_counter()
-        slot = self._take_slot(in_use)
+        slot = self._take_slot()
         if slot is not None:
             self._install(adapter, slot)
         self._registered[adapter.name] = _Registered(adapter.path, adapter.digest, adapter.max_rank, time.time())
@@ -121,10 +164,10 @@ class LoraRegistry:
         )
         self._event("load", seconds + time.perf_counter() - start)
 
-    def remove(self, name: str, in_use: Callable[[], Collection[str]]) -> None:
+    def remove(self, name: str) -> None:
         if name not in self._registered:
             raise LoraRefusedError(ErrorCode.NOT_FOUND, f"no LoRA adapter named {name!r} is loaded")
-        users = list(in_use()).count(name)
+        users = self._num_users[name]
         if users:
             raise LoraRefusedError(
                 ErrorCode.FAILED_PRECONDITION,
@@ -140,7 +183,27 @@ class LoraRegistry:
         logger.info("LoRA adapter %r unloaded", name)
         self._event("unload", time.perf_counter() - start)
 
-    def acquire(self, name: str, in_use: Callable[[], Collection[str]]) -> tuple[int, bytes] | RequestError:
+    def acquire(self, request: Request) -> RequestError | None:
+        """Give ``request`` its adapter's slot and digest (the parent of its first block's
+        hash) and count it as a user, or say why it cannot run."""
+        if request.lora_name is None:
+            return None
+        slot_and_digest = self._slot_of(request.lora_name)
+        if isinstance(slot_and_digest, RequestError):
+            return slot_and_digest
+        request.lora_slot, request.cache_salt = slot_and_digest
+        self._users[request.request_id] = request.lora_name
+        self._num_users[request.lora_name] += 1
+        return None
+
+    def release(self, outputs: Iterable[EngineOutput]) -> None:
+        for out in outputs:
+            if out.finished and (name := self._users.pop(out.request_id, None)) is not None:
+                self._num_users[name] -= 1
+                if not self._num_users[name]:
+                    del self._num_users[name]
+
+    def _slot_of(self, name: str) -> tuple[int, bytes] | RequestError:
         """(slot, digest) for a request of adapter ``name``, reading it back if it was
         evicted; or the error the request is refused with."""
         entry = self._registered.get(name)
@@ -153,7 +216,7 @@ class LoraRegistry:
         if slot is not None:
             self._resident.move_to_end(name)
             return slot, entry.digest
-        slot = self._take_slot(in_use)
+        slot = self._take_slot()
         if slot is None:
             return RequestError(
                 ErrorCode.RESOURCE_EXHAUSTED,
@@ -179,13 +242,12 @@ class LoraRegistry:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _take_slot(self, in_use: Callable[[], Collection[str]]) -> int | None:
+    def _take_slot(self) -> int | None:
         """A free slot, or the least recently used adapter's that no request uses."""
         if self._free_slots:
             return self._free_slots.pop()
-        busy = set(in_use())
         for name, slot in self._resident.items():  # least recently used first
-            if name not in busy:
+            if name not in self._num_users:
                 del self._resident[name]
                 logger.info("LoRA adapter %r evicted from slot %d (least recently used)", name, slot)
                 return slot
@@ -209,6 +271,44 @@ class LoraRegistry:
         """The loads, unloads and read-backs since the last take, with their durations (metrics)."""
         events, self._events = tuple(self._events), []
         return events
+
+
+class NoLoraRegistry:
+    """The engine without --enable-lora: it serves no adapters."""
+
+    version = 0
+    infos: tuple[LoraAdapterInfo, ...] = ()
+    max_loras = 0
+
+    def read(self, name: str, path: str | Path) -> LoraAdapter:
+        raise _lora_off()
+
+    def add(self, adapter: LoraAdapter, *, seconds: float = 0.0) -> None:
+        raise _lora_off()
+
+    def remove(self, name: str) -> None:
+        raise _lora_off()
+
+    def acquire(self, request: Request) -> RequestError | None:
+        if request.lora_name is None:
+            return None
+        return RequestError(
+            ErrorCode.NOT_FOUND,
+            f"no LoRA adapter named {request.lora_name!r}: this engine serves none (start it with --enable-lora)",
+            "lora_name",
+        )
+
+    def release(self, outputs: Iterable[EngineOutput]) -> None:
+        pass
+
+    def take_events(self) -> tuple[tuple[str, float], ...]:
+        return ()
+
+
+def _lora_off() -> LoraRefusedError:
+    return LoraRefusedError(
+        ErrorCode.FAILED_PRECONDITION, "this engine serves no LoRA adapters: start it with --enable-lora"
+    )
 
 
 def _check_name(name: str) -> None:

@@ -47,7 +47,7 @@ from engine_svc.model.kv_memory import (
 from engine_svc.model.llama import Transformer
 from engine_svc.model.loader import read_config, read_special_token_ids, resolve_dtype
 from engine_svc.model.logits_rows import logits_rows
-from engine_svc.model.lora import LoraSlots
+from engine_svc.model.lora import LoraSlots, NoLoraSlots
 from engine_svc.model.sampler import Proposal, Sampler
 from engine_svc.model.served import load_served_model
 from engine_svc.model.spec import Drafter, DraftModel, NoDraftModel, VerifyRows, attention_rows
@@ -180,11 +180,11 @@ class ModelRunner:
             all_threads=contextlib.nullcontext if governor is None else governor.all_threads,
         )
 
-    def _lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots | None:
-        """Slots for LoRA adapters around the backend's layers (model/lora/), or None: a
+    def _lora_slots(self, num_slots: int, max_rank: int) -> LoraSlots | NoLoraSlots:
+        """Slots for LoRA adapters around the backend's layers (model/lora/), or none: a
         model without them runs exactly as before."""
         if num_slots <= 0:
-            return None
+            return NoLoraSlots()
         return LoraSlots(self.model, self.kernels, num_slots=num_slots, max_rank=max_rank)
 
     def _thread_governor(self) -> ThreadGovernor | None:
@@ -353,13 +353,8 @@ class ModelRunner:
         self, batch: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """The decoder over the step's tokens; each row adds its request's LoRA adapter, if any."""
-        if self.lora is None:
+        with self.lora.applied(batch):
             return self.model(input_ids, positions, self.kv_caches, meta)
-        self.lora.begin_step(lora_rows(batch))
-        try:
-            return self.model(input_ids, positions, self.kv_caches, meta)
-        finally:
-            self.lora.end_step()
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """LM head over the given rows of ``hidden`` only: [len(rows), vocab] float32."""
@@ -386,7 +381,7 @@ class ModelRunner:
         if self.num_kv_blocks < k:
             logger.warning("KV cache too small for a warmup step; skipped")
             return
-        token = self.bos_token_id if self.bos_token_id is not None and self.bos_token_id < self.vocab_size else 0
+        token = _dummy_token_id(self.bos_token_id, self.vocab_size)
         prefill = _WarmupRequest("warmup-prefill", [token] * n)
         scheduled = [ScheduledRequest(prefill, n, list(range(k)))]
         if self.num_kv_blocks >= 2 * k:
@@ -406,7 +401,7 @@ class ModelRunner:
         if context < 1:
             return []
         block_ids = list(range(-(-(context + 1) // self.block_size)))
-        token = self.bos_token_id if self.bos_token_id is not None and self.bos_token_id < self.vocab_size else 0
+        token = _dummy_token_id(self.bos_token_id, self.vocab_size)
         best: dict[int, float] = {}
         start = time.perf_counter()
         for round_ in range(repeats):
@@ -442,17 +437,6 @@ def batch_order(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     return decodes + [s for s in scheduled if s.num_new_tokens != 1]
 
 
-def lora_rows(batch: list[ScheduledRequest]) -> list[int] | None:
-    """Each row's LoRA slot (-1: the base model), in batch order; None if no row has one."""
-    if all(s.request.lora_slot is None for s in batch):
-        return None
-    rows: list[int] = []
-    for s in batch:
-        slot = s.request.lora_slot
-        rows += [-1 if slot is None else slot] * s.num_scheduled_tokens
-    return rows
-
-
 @dataclass(frozen=True)
 class StepWork:
     """A step's modelled arithmetic, the thread governor's unit of work: the linear layers
@@ -475,6 +459,11 @@ class StepWork:
             tokens += n
             pairs += n * (2 * s.start + n + 1) // 2
         return float(tokens * self.per_token + pairs * self.per_pair)
+
+
+def _dummy_token_id(bos_token_id: int | None, vocab_size: int) -> int:
+    """The token the dummy steps repeat: BOS where the model has one in its vocabulary."""
+    return bos_token_id if bos_token_id is not None and bos_token_id < vocab_size else 0
 
 
 @dataclass

@@ -26,3 +26,10 @@ class LoraStepLimit:
             return True
         names = {r.lora_name for r in running if r.lora_name is not None}
         return request.lora_name in names or len(names) < self.max_loras
+
+
+class NoLoraLimit:
+    """An engine without adapters: no request names one, none is held back."""
+
+    def admits(self, request: Request, running: Iterable[Request]) -> bool:
+        return True

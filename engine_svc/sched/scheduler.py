@@ -33,7 +33,7 @@ from typing import Protocol
 from engine_svc.outputs import EngineOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.sched.admission import check_kv_capacity
 from engine_svc.sched.kv_cache import KVCacheManager
-from engine_svc.sched.lora import LoraStepLimit
+from engine_svc.sched.lora import LoraStepLimit, NoLoraLimit
 from engine_svc.sched.request import Request, RequestStatus, check_stop, request_output
 from engine_svc.sched.spec import NoSpeculation, Speculation
 from engine_svc.types import ErrorCode, FinishReason, Logprob, RequestError
@@ -147,7 +147,7 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         speculator: Speculation | None = None,
-        lora_limit: LoraStepLimit | None = None,
+        lora_limit: LoraStepLimit | NoLoraLimit | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}; expected one of {sorted(POLICIES)}")
@@ -162,7 +162,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.observer: SchedulerObserver | None = None
         self.speculator: Speculation = speculator or NoSpeculation()  # drafts for decoding requests
-        self.lora_limit = lora_limit  # adapters one step may mix; None: no adapters
+        self.lora_limit = lora_limit or NoLoraLimit()  # how many adapters one step may mix
         # Ids that ended or were preempted since the last schedule(): the runner drops their state.
         self._finished_ids: set[str] = set()
 
@@ -320,7 +320,7 @@ class Scheduler:
         passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self.lora_limit is not None and not self.lora_limit.admits(request, self.running):
+            if not self.lora_limit.admits(request, self.running):
                 passed_over.append(self.waiting.pop())
                 continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)

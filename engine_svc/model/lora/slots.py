@@ -3,7 +3,9 @@
     LoraSlots(model, kernels, num_slots=S, max_rank=r)   wraps every q/k/v/o/gate/up/down
                                                          projection in a LoraLinear
     slots.write(slot, adapter) / slots.clear(slot)       between steps
-    slots.begin_step(row_slots) ... model(...) ... slots.end_step()
+    with slots.applied(batch): model(...)                 each row adds its request's adapter
+    NoLoraSlots()                                         the model without adapters: nothing
+                                                          wrapped, ``applied`` does nothing
 
 Each wrapped module keeps one stack per kind, shared by all slots: the parts' lora_A rows
 stacked along the ranks (q, k and v: up to 3r of them), their lora_B^T x scale with each
@@ -13,7 +15,7 @@ native GEMM (gemm_lora.h) ``la`` is [S, K, R] with R in whole vectors and ``lb``
 R, NR] in the packed weight's column order, both in the model's dtype (a bfloat16
 model's adapters are read at half the bytes; the products are float32 either way).
 
-A step whose rows use no adapter runs the base layers alone (``begin_step(None)``): the
+A step whose rows use no adapter runs the base layers alone (``lora_rows`` is None): the
 wrappers cost one attribute read. Otherwise every row has a slot (-1: the base model) and:
 
 * on the native GEMM the term is added inside the GEMM call (gemm_lora.h): one pass over
@@ -26,8 +28,10 @@ wrappers cost one attribute read. Otherwise every row has a slot (-1: the base m
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +42,7 @@ from engine_svc.model.lora.adapter import NUM_PARTS, LoraAdapter, module_shapes
 from engine_svc.model.native import NativeKernels
 from engine_svc.model.native_layers import NativeLinear
 from engine_svc.model.quantized_layers import QuantizedLinear
+from engine_svc.outputs import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +216,9 @@ class LoraSlots:
                 )  # fmt: skip
                 setattr(parent, attr, layer)
                 self.layers[name] = layer
-        model.decode_stack = None  # its C code has no LoRA terms: the layers run one by one
+        if model.decode_stack is not None:
+            logger.info("LoRA: the decode stack is off (its native code has no adapter terms): layers run one by one")
+        model.decode_stack = None
         self.max_rank = max((layer.max_rank for layer in self.layers.values()), default=0)
         logger.info(
             "LoRA: %d adapter slots of rank <= %d over %d projections, %.1f MiB",
@@ -246,3 +253,32 @@ class LoraSlots:
 
     def end_step(self) -> None:
         self.step.batch = None
+
+    @contextlib.contextmanager
+    def applied(self, batch: Sequence[ScheduledRequest]) -> Iterator[None]:
+        """While the model runs over ``batch``, each row adds its request's adapter."""
+        self.begin_step(lora_rows(batch))
+        try:
+            yield
+        finally:
+            self.end_step()
+
+
+class NoLoraSlots:
+    """The model without adapter slots (no --enable-lora): its layers are not wrapped."""
+
+    num_slots = 0
+
+    def applied(self, batch: Sequence[ScheduledRequest]) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def lora_rows(batch: Sequence[ScheduledRequest]) -> list[int] | None:
+    """Each row's LoRA slot (-1: the base model), in batch order; None if no row has one."""
+    if all(s.request.lora_slot is None for s in batch):
+        return None
+    rows: list[int] = []
+    for s in batch:
+        slot = s.request.lora_slot
+        rows += [-1 if slot is None else slot] * s.num_scheduled_tokens
+    return rows
