@@ -80,7 +80,6 @@ class EngineCore:
             max_model_len=config.max_model_len,
             seed=config.seed,
             kernels=config.kernels,
-            batch_size_hint=config.max_num_seqs,
             max_num_seqs=config.max_num_seqs,
             quantization=config.quantization,
             activation_quantization=config.activation_quantization,

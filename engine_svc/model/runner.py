@@ -82,7 +82,6 @@ class ModelRunner:
         kv_cache_populate_seconds: float | None = None,
         seed: int = 0,
         kernels: str = "auto",
-        batch_size_hint: int = 64,
         max_num_seqs: int = 128,
         quantization: str | None = None,
         activation_quantization: str = "auto",
@@ -99,8 +98,10 @@ class ModelRunner:
             model_dir, max_model_len, default_pool=num_kv_blocks is None and kv_cache_bytes is None
         )
         self.rope_positions = self._rope_positions(model_dir, num_kv_blocks, kv_cache_bytes)
+        # max_num_seqs, the most requests a step runs: the rows packed layouts are chosen for
+        # (here and the draft model's), and what the default KV pool holds at full length.
         self.model, self.model_args, backend = self._load_model(
-            model_dir, kernels, batch_size_hint, quantization, activation_quantization
+            model_dir, kernels, max_num_seqs, quantization, activation_quantization
         )
         self.kernels = backend.kernels
         self.matmuls = backend.matmuls  # where the linear layers run: "native", "onednn" or "torch"
@@ -113,7 +114,7 @@ class ModelRunner:
         self.bos_token_id, self.eos_token_ids = read_special_token_ids(model_dir)
         self.sampler = Sampler(self.vocab_size, self.device, self.kernels)
         self.sampler.generator.manual_seed(seed)
-        self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, batch_size_hint)
+        self.drafter = self._load_drafter(draft_model, draft_quantization, model_dir, kernels, max_num_seqs)
         self.bytes_per_block, self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_bytes, max_num_seqs)
         self.kv_caches = self._allocate_kv_cache(kv_cache_populate, kv_cache_populate_seconds)
         self.workspace = self._allocate_workspace()
