@@ -57,7 +57,7 @@ MAX_QUEUED_COMPILES_PER_STREAM = 8  # of those, asked for by one stream (one fro
 class _Compile:
     """One compile of one constraint, shared by every request that waits for it."""
 
-    stream: str  # the stream that asked first: its queue share holds this compile until it starts
+    stream_id: int | None  # the stream that asked first: its queue share holds this compile until it starts
     result: CompiledGrammar | str | None = None  # a grammar, or the compiler's message
     started_at: float | None = None  # time.monotonic() when a worker took it
     done_at: float | None = None  # time.monotonic() when it finished
@@ -137,10 +137,9 @@ class GrammarCompiler:
                 return self._outcome(constraint, job)
             job = self._in_flight.get(constraint)
             if job is None:
-                stream = _stream_of(request)
-                if (refusal := self._queue_refusal(constraint, stream)) is not None:
+                if (refusal := self._queue_refusal(constraint, request.stream_id)) is not None:
                     return refusal
-                job = self._in_flight[constraint] = _Compile(stream)
+                job = self._in_flight[constraint] = _Compile(request.stream_id)
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(NUM_COMPILE_WORKERS, thread_name_prefix="grammar-compile")
                 job.future = self._pool.submit(self._compile, constraint, job)
@@ -244,12 +243,12 @@ class GrammarCompiler:
             return "done" if job.done_at <= deadline else "costly"
         return "costly" if now > deadline else None
 
-    def _queue_refusal(self, constraint: StructuredOutput, stream: str) -> RequestError | None:
-        """Under the lock: why a new compile for ``stream`` may not queue now, or None."""
-        queued = [job.stream for job in self._in_flight.values() if job.started_at is None]
+    def _queue_refusal(self, constraint: StructuredOutput, stream_id: int | None) -> RequestError | None:
+        """Under the lock: why a new compile for stream ``stream_id`` may not queue now, or None."""
+        queued = [job.stream_id for job in self._in_flight.values() if job.started_at is None]
         if len(queued) >= MAX_QUEUED_COMPILES:
             limit = f"{len(queued)} compiles already wait for this engine's compile threads (the limit)"
-        elif queued.count(stream) >= MAX_QUEUED_COMPILES_PER_STREAM:
+        elif queued.count(stream_id) >= MAX_QUEUED_COMPILES_PER_STREAM:
             limit = f"{MAX_QUEUED_COMPILES_PER_STREAM} compiles of this stream already wait for a compile thread"
         else:
             return None
@@ -318,12 +317,6 @@ class GrammarCompiler:
 
 def _num_bytes(job: _Compile) -> int:
     return job.result.num_bytes if isinstance(job.result, CompiledGrammar) else len(job.result or "")
-
-
-def _stream_of(request: Request) -> str:
-    """The stream a request came on: engine request ids are "<stream>/<n>" (service/engine_loop.py);
-    requests run in-process (``EngineCore.generate``) share one."""
-    return request.request_id.rpartition("/")[0]
 
 
 def _error(constraint: StructuredOutput, message: str) -> RequestError:

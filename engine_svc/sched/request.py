@@ -45,10 +45,14 @@ class Request:
         trace_context: dict[str, str] | None = None,
         client_request_id: str | None = None,
         lora_name: str | None = None,
+        stream_id: int | None = None,
     ) -> None:
         self.request_id = request_id  # unique in the engine
         # The id its client gave it (unique per stream only); logs and traces show it.
         self.client_request_id = request_id if client_request_id is None else client_request_id
+        # The engine stream it came on (service/engine_loop.py), whose shares it counts against;
+        # None: run in-process (``EngineCore.generate``), all such requests one stream.
+        self.stream_id = stream_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority

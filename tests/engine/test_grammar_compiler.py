@@ -39,7 +39,9 @@ def setup(demo_model_dir):
 
 
 def _request(constraint: StructuredOutput, eos, request_id: str = "0/1") -> Request:
-    return Request(request_id, [1, 2, 3], SamplingParams(structured=constraint), eos_token_ids=eos)
+    """A request of stream <s> for id "<s>/<n>", as the engine loop names and tags them."""
+    stream_id = int(request_id.partition("/")[0])
+    return Request(request_id, [1, 2, 3], SamplingParams(structured=constraint), eos_token_ids=eos, stream_id=stream_id)
 
 
 def _settle(compiler: GrammarCompiler, n: int, timeout: float = 60.0) -> list:
