@@ -206,15 +206,11 @@ class ModelRunner:
             )
         args.check_max_model_len(resolved)
         if default_pool:
-            block_bytes = bytes_per_block(
-                num_layers=args.num_layers,
-                block_size=self.block_size,
-                num_kv_heads=args.num_kv_heads,
-                head_dim=args.head_dim,
-                dtype=self.kv_dtype,
-            )
             check_one_request_fits(
-                bytes_per_block=block_bytes, block_size=self.block_size, max_model_len=resolved, device=self.device
+                bytes_per_block=self._target_block_bytes(args),
+                block_size=self.block_size,
+                max_model_len=resolved,
+                device=self.device,
             )
         return resolved
 
@@ -226,31 +222,28 @@ class ModelRunner:
         one full-length request fits it (``_resolve_max_model_len``)."""
         if num_kv_blocks is None and kv_cache_bytes is not None:
             args = ModelArgs.from_hf_config(read_config(model_dir))
-            block_bytes = bytes_per_block(
-                num_layers=args.num_layers,
-                block_size=self.block_size,
-                num_kv_heads=args.num_kv_heads,
-                head_dim=args.head_dim,
-                dtype=self.kv_dtype,
-            )
-            num_kv_blocks = kv_cache_bytes // block_bytes  # an upper bound: a draft model's blocks share the bytes
+            # An upper bound: a draft model's blocks share the bytes.
+            num_kv_blocks = kv_cache_bytes // self._target_block_bytes(args)
         if num_kv_blocks is None:
             return self.max_model_len
         return max(1, min(self.max_model_len, num_kv_blocks * self.block_size))
 
-    def _size_kv_cache(
-        self, num_kv_blocks: int | None, kv_cache_bytes: int | None, max_num_seqs: int
-    ) -> tuple[int, int]:
-        """(bytes per block, blocks in the pool), by kv_memory.py's rules."""
-        args = self.model_args
-        block_bytes = bytes_per_block(
+    def _target_block_bytes(self, args: ModelArgs) -> int:
+        """One KV block's bytes across the target's layers."""
+        return bytes_per_block(
             num_layers=args.num_layers,
             block_size=self.block_size,
             num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim,
             dtype=self.kv_dtype,
         )
-        block_bytes += self.drafter.bytes_per_block  # a draft model's cache has a block for every one of the target's
+
+    def _size_kv_cache(
+        self, num_kv_blocks: int | None, kv_cache_bytes: int | None, max_num_seqs: int
+    ) -> tuple[int, int]:
+        """(bytes per block, blocks in the pool), by kv_memory.py's rules."""
+        # A draft model's cache has a block for every one of the target's.
+        block_bytes = self._target_block_bytes(self.model_args) + self.drafter.bytes_per_block
         num_blocks = size_kv_cache(
             num_kv_blocks=num_kv_blocks,
             kv_cache_bytes=kv_cache_bytes,
