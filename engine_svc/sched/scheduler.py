@@ -362,7 +362,7 @@ class Scheduler:
 
     def _advance(self, request: Request, s: ScheduledRequest, runner_output: ModelRunnerOutput) -> EngineOutput | None:
         """Move ``request`` past its share of the step: its computed tokens, its prompt
-        logprobs, the tokens it sampled (up to a stop); its output, if it has anything to say."""
+        logprobs, the tokens it sampled; its output, if it has anything to say."""
         request_id = request.request_id
         needs_sample = s.needs_sample  # read before num_computed_tokens moves
         request.num_computed_tokens += s.num_new_tokens
@@ -380,16 +380,7 @@ class Scheduler:
                 error = RequestError(ErrorCode.INTERNAL, "the model runner produced no token")
                 return self._finish_with_error(request, error)
             num_tokens = request.num_tokens
-            token_logprobs = runner_output.logprobs.get(request_id, ())
-            for i, token_id in enumerate(token_ids):
-                request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                if i < len(token_logprobs):
-                    logprobs.append(token_logprobs[i])
-                if check_stop(request, self.max_model_len):
-                    break
-            # Every emitted token but the last is an accepted draft: its K/V is written.
-            request.num_computed_tokens += len(new_token_ids) - 1
+            new_token_ids, logprobs = self._take_tokens(request, token_ids, runner_output.logprobs.get(request_id, []))
             num_verified = runner_output.num_verified_drafts.get(request_id)
             self.speculator.record(
                 request_id, len(s.draft_token_ids), len(token_ids) - 1, num_verified, num_tokens=num_tokens
@@ -400,6 +391,21 @@ class Scheduler:
         if new_token_ids or prompt_logprobs or request.is_finished:
             return request_output(request, new_token_ids, logprobs, prompt_logprobs)
         return None
+
+    def _take_tokens(
+        self, request: Request, token_ids: list[int], logprobs: list[Logprob]
+    ) -> tuple[list[int], list[Logprob]]:
+        """Append the step's tokens to ``request`` up to the first that stops it; returns
+        those taken, with their logprobs. Every token taken but the last is an accepted
+        draft, whose K/V the step wrote."""
+        num_taken = 0
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            num_taken += 1
+            if check_stop(request, self.max_model_len):
+                break
+        request.num_computed_tokens += num_taken - 1
+        return token_ids[:num_taken], logprobs[:num_taken]
 
     # -- helpers ----------------------------------------------------------------------------
 
