@@ -14,10 +14,11 @@ from transformers import DynamicCache
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.model.native import NativeKernels, build, cpu_features
+from engine_svc.model.native import NativeKernels, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.model.native.kernels import KernelError
 from engine_svc.types import SamplingParams
+from tests.engine.native_builds import session_build
 from tests.engine.test_engine_vs_transformers import TIE_EPS, _prompts
 from tests.engine.test_native_kernels import _caches
 from tests.model_factory import load_hf_model, make_model_dir
@@ -39,10 +40,10 @@ BUILDS = sorted({next(i for i in ISA_PREFERENCE if ISA_BUILDS[i][1] <= cpu_featu
 
 
 @pytest.fixture(scope="module", params=BUILDS)
-def kernels(request, tmp_path_factory) -> NativeKernels:
+def kernels(request, build_dir) -> NativeKernels:
     if shutil.which("cc") is None or not ISA_BUILDS["avx2"][1] <= cpu_features().flags:
         pytest.skip("needs a C compiler and AVX2")
-    return NativeKernels(build(request.param, tmp_path_factory.mktemp("kvbuild")), request.param)
+    return NativeKernels(session_build(request.param, build_dir), request.param)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (10, 2, 96, 16)])

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.native import NativeKernels, build
+from engine_svc.model.native import NativeKernels
 from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
-from tests.engine.native_builds import DTYPES, RUNNABLE, _close
+from tests.engine.native_builds import DTYPES, RUNNABLE, _close, session_build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -96,8 +96,8 @@ DOT_CASES = [*GEMM_CASES, (3, 1, 5, False, False), (13, 301, 40, True, True), (1
 def test_bf16_dot_products_give_the_float32_multiply_adds_bits(build_dir, rows, k, n, bias, silu_mul):
     """VDPBF16PS adds a pair's products in k order, each sum rounded: the same bits as the
     float32 multiply-adds of the AVX512 build (odd K too: padded with a zero pair element)."""
-    dp = NativeKernels(build("avx512_bf16", build_dir), "avx512_bf16")
-    fma = NativeKernels(build("avx512", build_dir), "avx512")
+    dp = NativeKernels(session_build("avx512_bf16", build_dir), "avx512_bf16")
+    fma = NativeKernels(session_build("avx512", build_dir), "avx512")
     assert dp.bf16_dot_products and not fma.bf16_dot_products
     g = torch.Generator().manual_seed(rows * 1000 + k)
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()

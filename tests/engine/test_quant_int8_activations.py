@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_svc.model.native import NativeKernels, build, cpu_features
+from engine_svc.model.native import NativeKernels, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.model.native.quant import QuantizedWeight, as_int8, quantize_activations, quantize_int4, quantize_int8
+from tests.engine.native_builds import session_build
 from tests.engine.test_quant_kernels import _layouts  # every layout kind the weight-only tests take
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -25,14 +26,9 @@ SHAPES = [(576, 576), (3072, 576), (576, 1536), (7, 64)]
 ROWS = [1, 2, 3, 4, 6, 7, 13, 16, 64, 230]
 
 
-@pytest.fixture(scope="module")
-def build_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("i8build")  # each build compiled once for the module
-
-
 @pytest.fixture(scope="module", params=INT8_DOTS or [pytest.param(None, marks=pytest.mark.skip("no int8 dots"))])
 def kernels(request, build_dir) -> NativeKernels:
-    k = NativeKernels(build(request.param, build_dir), request.param)
+    k = NativeKernels(session_build(request.param, build_dir), request.param)
     assert k.int8_dot_products
     return k
 
@@ -128,7 +124,7 @@ def test_builds_without_int8_dots_and_wide_groups_are_refused(build_dir):
     qw = quantize_int4(torch.randn(64, 1024) * 0.1)
     wide = QuantizedWeight(4, qw.qs, qw.scale.view(64, -1, 32)[:, :, 0].contiguous(), None, 1024)
     for isa in RUNNABLE:
-        k = NativeKernels(build(isa, build_dir), isa)
+        k = NativeKernels(session_build(isa, build_dir), isa)
         assert k.int8_dot_products == (isa in INT8_DOTS)
         x = torch.randn(3, 1024)
         if not k.int8_dot_products:

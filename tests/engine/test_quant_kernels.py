@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_svc.model.native import NativeKernels, build, cpu_features
+from engine_svc.model.native import NativeKernels, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.model.native.quant import (
     QuantizedWeight,
@@ -24,6 +24,7 @@ from engine_svc.model.native.quant import (
     take_rows,
 )
 from engine_svc.model.native.quant_pack import pack_panels
+from tests.engine.native_builds import session_build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -36,8 +37,8 @@ ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 13, 16, 31, 64, 65, 200]
 
 
 @pytest.fixture(scope="module", params=RUNNABLE)
-def kernels(request, tmp_path_factory) -> NativeKernels:
-    return NativeKernels(build(request.param, tmp_path_factory.mktemp("qbuild")), request.param)
+def kernels(request, build_dir) -> NativeKernels:
+    return NativeKernels(session_build(request.param, build_dir), request.param)
 
 
 @functools.cache
