@@ -16,7 +16,8 @@ Parts of a step, on SmolLM2-135M's shapes (30 layers; hidden 576, 9 query and
   once; block size 16, or `--block-size`).
 
 Each is timed on this checkout's kernels and, with ``--baseline``, on the same sources at
-another commit, built with the same flags into a temporary folder; every (build, threads)
+another commit of the same C API (``tandem_api.h``'s TK_API_VERSION: the bindings refuse a
+build of another), built with the same flags into a temporary folder; every (build, threads)
 arm is timed in turns (``quant_gemm.timed``: each repeat times every arm once, so a change
 in the machine's load falls on all of them alike), wall clock, median of ``--repeats``.
 Every arm's outputs are compared bit for bit with its build's first arm's: the kernels

@@ -21,7 +21,6 @@ prefill rows, takes the module path.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
@@ -31,51 +30,20 @@ from engine_svc.model.attention.native import NativeDecode
 from engine_svc.model.layers import MLP, Attention
 from engine_svc.model.llama import DecoderLayer, Transformer
 from engine_svc.model.native import NativeKernels
-from engine_svc.model.native.kernels import DTYPE_CODES, EPILOGUE_NONE, EPILOGUE_SILU_MUL, SCALE_CODES, KernelError
+from engine_svc.model.native.api import DTYPE_CODES, AttnShape, DecodeRows, Layer, Linear, StackShape
+from engine_svc.model.native.kernels import KernelError
 from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
 from engine_svc.model.quantized_layers import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
-
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("quantized", _I), ("kind", _I), ("w", _P), ("scale", _P), ("min", _P), ("sdtype", _I), ("group", _I),
-        ("bias", _P), ("n", _I), ("k", _I), ("epilogue", _I), ("xquant", _I),
-    ]  # fmt: skip
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("in_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-        ("down", _Linear), ("k_cache", _P), ("v_cache", _P),
-    ]  # fmt: skip
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [
-        ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I), ("block_size", _I),
-        ("max_position", _I), ("eps", _F), ("scale", _F), ("kv_dtype", _I), ("dtype", _I),
-    ]  # fmt: skip
-
-
-def _linear(module: torch.nn.Module, dtype: torch.dtype) -> _Linear | None:
+def _linear(module: torch.nn.Module, dtype: torch.dtype) -> Linear | None:
     """The layer as the C code takes it for activations of ``dtype``, or None."""
     if type(module) is QuantizedLinear and dtype == torch.float32:
-        w = module.weight_p
-        qs, scale, minimum, bias = w.pointers
-        return _Linear(
-            1, w.bits, qs, scale, minimum, SCALE_CODES[w.scale.dtype], w.group, bias, w.out_features, w.in_features,
-            EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE, int(module.int8_activations),
-        )  # fmt: skip
+        return module.weight_p.linear(int8_activations=module.int8_activations)
     if type(module) is NativeLinear and module.packed.panels.dtype == dtype:
-        p = module.packed
-        return _Linear(
-            0, DTYPE_CODES[dtype], p.panels.data_ptr(), None, None, 0, 0, None if p.bias is None else p.bias.data_ptr(),
-            p.out_features, p.in_features, EPILOGUE_SILU_MUL if p.silu_mul else EPILOGUE_NONE,
-        )  # fmt: skip
+        return module.packed.linear
     return None
 
 
@@ -83,12 +51,13 @@ class DecodeStack:
     """The model's layers as ``tk_decode_stack`` takes them (pointers into the modules'
     own tensors, which the model keeps alive), and the call."""
 
-    def __init__(self, model: Transformer, kernels: NativeKernels, layers: list[_Layer], shape: _Shape) -> None:
+    def __init__(self, model: Transformer, kernels: NativeKernels, layers: list[Layer], shape: StackShape) -> None:
         self.kernels = kernels
-        self.layers = (_Layer * len(layers))(*layers)
+        self.layers = (Layer * len(layers))(*layers)
         self.shape = shape
         assert isinstance(model.rotary, NativeRotary)
-        self.cos_sin = model.rotary.cos_sin  # [max_position, head_dim] float32
+        self.cos_sin = model.rotary.cos_sin  # [max_position, head_dim] float32; never moves
+        shape.cos_sin = self.cos_sin.data_ptr()
         self._caches: list[KVCache] | None = None
         self._cache_ptrs: tuple[int, int] = (0, 0)
         self.dtype = model.norm.weight.dtype  # the activations' (the model's)
@@ -121,11 +90,11 @@ class DecodeStack:
                 raise ValueError("decode stack: caches must be contiguous float32 or bfloat16")
             if self.dtype == torch.bfloat16 and k.dtype != torch.bfloat16:
                 raise ValueError("decode stack: a bfloat16 model's caches must be bfloat16")
-            if k.shape[2:] != (self.shape.num_kv_heads, self.shape.head_dim) or k.shape != v.shape:
+            if k.shape[2:] != (self.shape.attn.num_kv_heads, self.shape.attn.head_dim) or k.shape != v.shape:
                 raise ValueError(f"decode stack: a cache of shape {tuple(k.shape)} does not fit the model")
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
-        self.shape.block_size = kv_caches[0][0].shape[1]
-        self.shape.kv_dtype = DTYPE_CODES[kv_caches[0][0].dtype]
+        self.shape.attn.block_size = kv_caches[0][0].shape[1]
+        self.shape.attn.kv_dtype = DTYPE_CODES[kv_caches[0][0].dtype]
         self._caches, self._cache_ptrs = kv_caches, first
 
     def run(
@@ -143,11 +112,11 @@ class DecodeStack:
         positions = positions.contiguous()
         slots = meta.slot_mapping.contiguous()
         table = decode.block_table
-        rc = self.kernels.decode_stack(
-            ctypes.byref(self.layers), len(self.layers), ctypes.byref(self.shape), x.data_ptr(), residual.data_ptr(),
-            positions.data_ptr(), slots.data_ptr(), table.data_ptr(), table.shape[1], decode.ctx_lens.data_ptr(),
-            decode.max_ctx_len, self.cos_sin.data_ptr(), ws.data_ptr(), m, torch.get_num_threads(),
+        rows = DecodeRows(
+            m, positions.data_ptr(), slots.data_ptr(), table.data_ptr(), table.shape[1], decode.ctx_lens.data_ptr(),
+            decode.max_ctx_len,
         )  # fmt: skip
+        rc = self.kernels.decode_stack(self.layers, self.shape, rows, x, residual, ws)
         if rc != 0:
             raise KernelError(f"decode stack failed in layer {rc // 100 - 1} (code {rc % 100})")
         return x, residual
@@ -167,7 +136,7 @@ def build_decode_stack(model: Transformer, kernels: NativeKernels) -> DecodeStac
         return no(f"{dtype} activations")
     if not isinstance(model.rotary, NativeRotary) or model.sliding_rotary is not None:
         return no("RoPE is not the native full rotation")
-    layers: list[_Layer] = []
+    layers: list[Layer] = []
     eps: set[float] = set()
     scales: set[float] = set()
     for layer in model.layers:
@@ -187,12 +156,13 @@ def build_decode_stack(model: Transformer, kernels: NativeKernels) -> DecodeStac
         eps.update(n.eps for n in norms)
         scales.add(attn.scale)
         layers.append(
-            _Layer(layer.input_norm.weight.data_ptr(), layer.post_attn_norm.weight.data_ptr(), *linears, None, None)
+            Layer(layer.input_norm.weight.data_ptr(), layer.post_attn_norm.weight.data_ptr(), *linears, None, None)
         )
     if len(eps) != 1 or len(scales) != 1:
         return no("norms or attention scales differ between layers")
-    shape = _Shape(
-        args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, 0,  # block size: the caches'
-        model.rotary.cos_sin.shape[0], eps.pop(), scales.pop(), 0, DTYPE_CODES[dtype],
+    attn_shape = AttnShape(
+        args.num_heads, args.num_kv_heads, args.head_dim, 0,  # block size and kv_dtype: the caches', at each step
+        (args.num_heads + 2 * args.num_kv_heads) * args.head_dim, scales.pop(), DTYPE_CODES[dtype], 0,
     )  # fmt: skip
+    shape = StackShape(attn_shape, args.hidden_size, eps.pop(), model.rotary.cos_sin.shape[0], None)
     return DecodeStack(model, kernels, layers, shape)

@@ -48,7 +48,7 @@ def load_served_model(
     int8_activations = _int8_activations(activation_quantization, declared, prequantized is not None, build)
     if int8_activations and prequantized:
         # Per-channel scales repeated over groups of 32: the values stay, the activations
-        # get a scale per group (quant.c's int8 path takes groups of up to 512).
+        # get a scale per group (quant_int8.c takes groups of up to 512).
         prequantized = {name: with_groups_of_at_most(w, INT8_ACTIVATION_MAX_GROUP) for name, w in prequantized.items()}
     model, args = load_model(model_dir, device, dtype, kept_modules=prequantized or ())
     gguf_path = gguf_source(model_dir)

@@ -1,4 +1,4 @@
-"""int8 activations on the quantized GEMM (quant.c's W8A8 / W4A8 path): each row quantized
+"""int8 activations on the quantized GEMM (quant_int8.c: the W8A8 / W4A8 path): each row quantized
 per group of the weight, integer dot products, against F.linear on those quantized rows and
 the dequantized weight, on every build this CPU runs that has int8 dot products (AVX512-VNNI,
 AVX-VNNI); the builds without them refuse it."""

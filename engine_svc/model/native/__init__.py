@@ -2,11 +2,15 @@
 
     load_kernels() -> NativeKernels | None
 
-Sources (C, shipped in the package): ``gemm.c`` (the linear layers, weights packed at load
-time, float32 or bfloat16; bfloat16 dot products in the AVX512-BF16 build, ``gemm_bf16.h``),
-``elementwise.c`` (RMSNorm with the residual add, SiLU-and-multiply, RoPE) and
-``attention.c`` and ``attention_prefill.c`` (decode and prefill attention reading the paged KV cache in
-place, one query vector's arithmetic shared in ``attention_row.h``).
+Sources (C, shipped in the package), their API declared once in ``tandem_api.h`` (which every
+``.c`` includes; ``api.py`` reads its prototypes and mirrors its structs for ctypes): ``gemm.c``
+(the linear layers, weights packed at load time, float32 or bfloat16; bfloat16 dot products in
+the AVX512-BF16 build, ``gemm_bf16.h``; a LoRA term inside the product, ``gemm_lora.h``),
+``quant.c`` (the quantized GEMM, a strategy per file beside it: ``quant_fused.c``,
+``quant_wide.c``, ``quant_int8.c``), ``elementwise.c`` (RMSNorm with the residual add,
+SiLU-and-multiply, RoPE, argmax), ``attention.c`` and ``attention_prefill.c`` (decode and
+prefill attention reading the paged KV cache in place, one query vector's arithmetic shared in
+``attention_row.h``) and ``stack.c`` (a decode step's layers in one call).
 ``cpu.py`` reads the CPU's flags at run time and picks a build (AVX2, AVX512,
 AVX512-BF16); ``build.py`` compiles it with the system's C compiler (``$CC``, else
 ``cc``) into a cache keyed by the sources and flags, so a build never runs on a CPU it was

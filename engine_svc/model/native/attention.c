@@ -2,7 +2,7 @@
  * Attention straight from the paged KV cache: no K/V is gathered or copied by the caller.
  * Layouts (row-major, as engine_svc/model/attention.py documents):
  *
- *   q            [num_tokens, q_row_stride]: query head h of row i at i * q_row_stride + h * head_dim
+ *   q            [num_tokens, row_stride]: query head h of row i at i * row_stride + h * head_dim
  *                (the q part of the fused qkv projection can be passed as is)
  *   out          [num_tokens, num_heads, head_dim]
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
@@ -24,6 +24,8 @@
  * prefill kernel (attention_prefill.c) shares: a token's output has the same bits from
  * either kernel.
  */
+#include "tandem_api.h"
+
 #include <stdlib.h>
 
 #include "attention_row.h"
@@ -103,11 +105,14 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
     }
 }
 
-/* Returns 0, 1 if a scratch buffer could not be allocated, 2 on a bad shape. */
-int tk_decode_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
-                        const int32_t *block_table, const int32_t *ctx_lens, int num_rows, int num_heads,
-                        int num_kv_heads, int head_dim, int block_size, int table_stride, int max_ctx_len,
-                        float scale, int dtype, int kv_dtype, int num_threads) {
+int tk_decode_attention(const tk_attn_shape *s, const tk_decode_rows *rows, void *out, const void *q,
+                        const void *k_cache, const void *v_cache, int num_threads) {
+    const int num_heads = s->num_heads, num_kv_heads = s->num_kv_heads, head_dim = s->head_dim;
+    const int block_size = s->block_size, dtype = s->dtype, kv_dtype = s->kv_dtype;
+    const long q_row_stride = s->row_stride;
+    const float scale = s->scale;
+    const int32_t *block_table = rows->block_table, *ctx_lens = rows->ctx_lens;
+    const int num_rows = rows->num_rows, table_stride = rows->table_stride, max_ctx_len = rows->max_ctx_len;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads > MAX_HEADS || head_dim <= 0 ||
         block_size <= 0)
         return 2;

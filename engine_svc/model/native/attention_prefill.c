@@ -23,6 +23,8 @@
  * while the span's keys are in L1, then, after each vector's softmax, adding the span's
  * values to every vector that sees it, each value vector loaded once for WS_ROWS of them.
  */
+#include "tandem_api.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -131,11 +133,15 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
     }
 }
 
-/* Returns 0, 1 if a scratch buffer could not be allocated, 2 on a bad shape. */
-int tk_prefill_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
-                         const int32_t *block_table, const int32_t *chunk_rows, const int32_t *chunk_starts,
-                         const int32_t *chunk_lens, int num_chunks, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, int table_stride, float scale, int dtype, int kv_dtype, int num_threads) {
+int tk_prefill_attention(const tk_attn_shape *s, const tk_prefill_chunks *chunks, void *out, const void *q,
+                         const void *k_cache, const void *v_cache, int num_threads) {
+    const int num_heads = s->num_heads, num_kv_heads = s->num_kv_heads, head_dim = s->head_dim;
+    const int block_size = s->block_size, dtype = s->dtype, kv_dtype = s->kv_dtype;
+    const long q_row_stride = s->row_stride;
+    const float scale = s->scale;
+    const int32_t *block_table = chunks->block_table, *chunk_rows = chunks->rows;
+    const int32_t *chunk_starts = chunks->starts, *chunk_lens = chunks->lens;
+    const int num_chunks = chunks->num_chunks, table_stride = chunks->table_stride;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim % TK_VL != 0 ||
         block_size <= 0)
         return 2;

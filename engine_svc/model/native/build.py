@@ -30,12 +30,18 @@ from engine_svc.model.native.cpu import ISA_BUILDS
 from tandem_common.cache import cache_dir
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("gemm.c", "elementwise.c", "attention.c", "attention_prefill.c", "quant.c", "stack.c")
-HEADERS = ("tandem_kernels.h", "attention_row.h", "gemm_bf16.h", "gemm_tile.h", "gemm_lora.h", "work_split.h")
+SOURCES = (
+    "gemm.c", "elementwise.c", "attention.c", "attention_prefill.c", "quant.c", "quant_fused.c", "quant_wide.c",
+    "quant_int8.c", "stack.c",
+)  # fmt: skip
+HEADERS = (
+    "tandem_api.h", "tandem_kernels.h", "attention_row.h", "gemm_bf16.h", "gemm_tile.h", "gemm_lora.h", "quant.h",
+    "work_split.h",
+)  # fmt: skip
 BASE_FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=fast", "-fPIC", "-fopenmp", "-fno-math-errno"]
 # What the sources must compile cleanly under (the tests build every ISA with them). Not in
 # the engine's own build: a newer compiler's new warning must not cost a server its kernels.
-WARNING_FLAGS = ("-Wall", "-Wextra", "-Werror")
+WARNING_FLAGS = ("-Wall", "-Wextra", "-Wmissing-prototypes", "-Werror")
 
 
 class BuildError(RuntimeError):

@@ -20,7 +20,7 @@ _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 _AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-# The VNNI builds add the integer dot products of int8 activations (quant.c's W8A8 path).
+# The VNNI builds add the integer dot products of int8 activations (quant_int8.c's W8A8 path).
 ISA_BUILDS: dict[str, tuple[list[str], frozenset[str]]] = {
     "avx2": (_AVX2, _AVX2_FLAGS),
     "avx2_vnni": ([*_AVX2, "-mavxvnni"], _AVX2_FLAGS | {"avx_vnni"}),

@@ -12,6 +12,8 @@
  * multiply-add for that reason. Rows are split over threads only when a call is big
  * enough to pay for a parallel region (a decode step's rows are not).
  */
+#include "tandem_api.h"
+
 #include "tandem_kernels.h"
 
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
@@ -43,8 +45,6 @@ static inline void norm_row(void *out, size_t off, const float *buf, const void 
     }
 }
 
-/* out, x, residual: [rows, dim] contiguous, weight [dim], all of one dtype. With residual
- * (not NULL): residual = x + residual (rounded to dtype), then out = norm(residual) * w. */
 int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps,
                 int dtype, int num_threads) {
     if (rows < 0 || dim <= 0 || dim > (1 << 20)) return 2;
@@ -77,7 +77,6 @@ int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, in
     return 0;
 }
 
-/* out [rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu [rows, 2 * inter]. */
 int tk_silu_mul(void *out, const void *gu, int rows, int inter, int dtype, int num_threads) {
     if (rows < 0 || inter <= 0) return 2;
     const int threads = (size_t)rows * inter >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
@@ -94,9 +93,7 @@ int tk_silu_mul(void *out, const void *gu, int rows, int inter, int dtype, int n
     return 0;
 }
 
-/* Rotate-half RoPE in place. qkv: rows of row_stride elements whose first num_heads heads
- * of head_dim are rotated (q then k). cos_sin [max_position, head_dim] float32: cos in
- * the first half, sin in the second, already rounded to the model dtype. */
+/* cos_sin holds cos and sin already rounded to the model dtype. */
 __attribute__((optimize("fp-contract=off"))) int tk_rope(void *qkv, long row_stride, const int64_t *positions,
                                                           const float *cos_sin, int max_position, int rows,
                                                           int num_heads, int head_dim, int dtype, int num_threads) {
@@ -173,7 +170,6 @@ static int64_t argmax_row(const float *x, int n) {
     return at;
 }
 
-/* out[r] := argmax_row of row r of x [rows, cols] float32 (rows ld floats apart). */
 int tk_argmax_rows(int64_t *out, const float *x, long ld, int rows, int cols, int num_threads) {
     if (rows < 0 || cols <= 0 || ld < cols) return 2;
     const int threads = (size_t)rows * cols >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;

@@ -30,27 +30,25 @@
  * up panel p), and C [M, N/2] = silu(A @ Wg^T) * (A @ Wu^T), with torch's roundings in
  * bfloat16 (gate, up, silu and the product each rounded).
  */
+#include "tandem_api.h"
+
 #include <omp.h>
 #include <stdlib.h>
 
 #include "gemm_bf16.h"
-#include "gemm_lora.h" /* its types; its code after gemm_tile.h */
 #include "gemm_tile.h" /* MR, NR, KC and the micro-tile, shared with quant.c */
+#include "gemm_lora.h" /* the LoRA term, on the micro-tile */
 #include "tandem_kernels.h"
 #include "work_split.h"
 
-enum { EPI_NONE = 0, EPI_SILU_MUL = 1 };
+int tk_api_version(void) { return TK_API_VERSION; }
 
 int tk_gemm_nr(void) { return NR; }
 
-/* 1 where bfloat16 products run as bfloat16 dot products (gemm_bf16.h), else 0. */
 int tk_gemm_bf16_dp(void) { return TK_BF16_DP; }
 
-/* Rows of K a panel holds: K, or K rounded up to pairs (bfloat16 with TK_BF16_DP). */
 int tk_gemm_panel_k(int K, int pdtype) { return panel_k(K, pdtype); }
 
-/* W [N, K] (dtype wdtype) -> panels (dtype pdtype). With pairs, the first N/2 rows of W
- * (gate) and the last N/2 (up) are packed as alternating panels. */
 void tk_gemm_pack(const void *w, int wdtype, int N, int K, int pairs, void *out, int pdtype) {
     const int half = pairs ? N / 2 : N;
     const int np_half = (half + NR - 1) / NR;
@@ -67,8 +65,6 @@ void tk_gemm_pack(const void *w, int wdtype, int N, int K, int pairs, void *out,
             }
     }
 }
-
-#include "gemm_lora.h" /* the LoRA term, on the micro-tile */
 
 typedef struct {
     const void *a; /* float32 A (converted when the caller's A is bfloat16), or bfloat16 pairs (dp) */
@@ -184,7 +180,7 @@ static void finish_rows(void *ctx, int m, int mr, float *cs) {
  * shapes of 1,024 rows, float32: 1-3% faster). */
 static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
     const int rows = m1 - m0;
-    if (g->epilogue == EPI_SILU_MUL) {
+    if (g->epilogue == TK_EPI_SILU_MUL) {
         float *gate = cs, *up = cs + (size_t)rows * NR;
         BLOCK_TIMES_PANEL(g, m0, m1, 2 * q, gate, NULL, NULL);
         if (g->lora) lora_up_tile(g->lora, m0, m1, 2 * q, gate); /* before SiLU: the adapter changes gate and up */
@@ -196,13 +192,13 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
     BLOCK_TIMES_PANEL(g, m0, m1, q, cs, finish_rows, &o);
 }
 
-/* Returns 0, 1 if scratch memory could not be allocated, or 2 on a bad argument. ws: M * K
- * floats when adtype is bfloat16; lora: a LoRA term per row (gemm_lora.h), or NULL. With
- * TK_BF16_DP, bfloat16 panels take bfloat16 A only (the products are of bfloat16 pairs; ws
- * then holds A's rows in the pair layout). */
-int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, const float *bias, void *c, int ldc,
-            int cdtype, int M, int N, int K, int epilogue, float *ws, const tk_lora *lora, int num_threads) {
-    if (M < 0 || N <= 0 || K <= 0 || (epilogue != EPI_NONE && epilogue != EPI_SILU_MUL)) return 2;
+/* With TK_BF16_DP, ws holds A's rows in the pair layout of gemm_bf16.h (the products are of
+ * bfloat16 pairs), else A widened to float32. */
+int tk_gemm(const tk_linear *w, const void *a, int lda, void *c, int ldc, int dtype, int M, float *ws,
+            const tk_lora *lora, int num_threads) {
+    const int N = w->n, K = w->k, epilogue = w->epilogue, pdtype = w->kind, adtype = dtype;
+    if (w->quantized || M < 0 || N <= 0 || K <= 0 || (epilogue != TK_EPI_NONE && epilogue != TK_EPI_SILU_MUL))
+        return 2;
     if (M == 0) return 0;
     if (adtype == TK_BF16 && ws == NULL) return 2;
     const int dp = TK_BF16_DP && pdtype == TK_BF16, kp = panel_k(K, pdtype);
@@ -211,14 +207,14 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
         .a = adtype == TK_BF16 ? (const void *)ws : a,
         .lda = dp ? kp : adtype == TK_BF16 ? K : lda,
         .dp = dp,
-        .panels = (const char *)panels,
+        .panels = (const char *)w->w,
         .pdtype = pdtype,
         .panel_bytes = (size_t)kp * NR * (pdtype == TK_BF16 ? 2 : 4),
         .elem = pdtype == TK_BF16 ? 2 : 4,
-        .bias = bias,
+        .bias = w->bias,
         .c = c,
         .ldc = ldc,
-        .cdtype = cdtype,
+        .cdtype = dtype,
         .N = N,
         .K = dp ? kp : K,
         .epilogue = epilogue,
@@ -231,7 +227,7 @@ int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, 
     const int num_row_blocks = (M + mc - 1) / mc;
     const int num_items = num_row_blocks * num_tiles;
     /* Small products run on one thread: a parallel region costs more than they do. */
-    const double flops = 2.0 * M * N * K * (epilogue == EPI_SILU_MUL ? 2 : 1);
+    const double flops = 2.0 * M * N * K * (epilogue == TK_EPI_SILU_MUL ? 2 : 1);
     int threads = flops < 2e5 ? 1 : num_threads;
     if (threads > num_items) threads = num_items;
     /* Run t: its panels [q0, q0 + span) of every row block, index i -> (i / span, q0 + i % span);

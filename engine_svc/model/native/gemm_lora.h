@@ -22,28 +22,14 @@
  * (q, k and v each have their own ranks, and a panel of q columns adds nothing from k's).
  * A row with no slot is computed exactly as without this argument.
  *
- * The code uses gemm_tile.h's micro-tile, MR and NR: gemm.c includes this header twice, the
- * types first, the code after gemm_tile.h.
+ * The struct (tk_lora) is the API's (tandem_api.h); the code runs on gemm_tile.h's micro-tile.
  */
-#ifndef TANDEM_GEMM_LORA_TYPES
-#define TANDEM_GEMM_LORA_TYPES
+#ifndef TANDEM_GEMM_LORA_H
+#define TANDEM_GEMM_LORA_H
 
-#include <stdint.h>
-
-typedef struct {
-    const int32_t *row_slot; /* [M]: the row's slot, or -1 */
-    const void *la;          /* [S][K][R], of dtype ldtype */
-    const void *lb;          /* [S][NP][R][NR], of dtype ldtype */
-    const int32_t *ranks;    /* [S] */
-    const int32_t *spans;    /* [S][NP][2]: the ranks [t0, t1) weight panel p adds */
-    int r;                   /* R: a whole number of vectors */
-    int np;                  /* panels of the packed weight */
-    float *xa;               /* [M][R] */
-    int ldtype;              /* TK_F32 or TK_BF16: la and lb as the model's weights are */
-} tk_lora;
-
-#elif defined(NR) && !defined(TANDEM_GEMM_LORA_CODE)
-#define TANDEM_GEMM_LORA_CODE
+#include "gemm_tile.h" /* MR, NR, the micro-tile */
+#include "tandem_api.h"
+#include "tandem_kernels.h"
 
 #define LORA_MR 4 /* rows of a down tile */
 #define LORA_NV 4 /* vectors of ranks of a down tile */

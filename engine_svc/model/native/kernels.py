@@ -14,32 +14,24 @@ from pathlib import Path
 
 import torch
 
+from engine_svc.model.native.api import (
+    API_VERSION,
+    DTYPE_CODES,
+    EPILOGUE_NONE,
+    EPILOGUE_SILU_MUL,
+    SIGNATURES,
+    AttnShape,
+    DecodeRows,
+    Layer,
+    Linear,
+    LoraTerm,
+    PrefillChunks,
+    StackShape,
+)
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.native.quant_pack import PackedQuantWeight, pack_panels
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-EPILOGUE_NONE, EPILOGUE_SILU_MUL = 0, 1
-SCALE_CODES = {torch.float32: 0, torch.float16: 2}  # a quantized weight's scales (quant.c)
-
-_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-_SIGNATURES = {
-    "tk_gemm_nr": [],
-    "tk_gemm_panel_k": [_I, _I],
-    "tk_gemm_bf16_dp": [],
-    "tk_gemm_pack": [_P, _I, _I, _I, _I, _P, _I],
-    "tk_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I],
-    "tk_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
-    "tk_silu_mul": [_P, _P, _I, _I, _I, _I],
-    "tk_rope": [_P, _L, _P, _P, _I, _I, _I, _I, _I, _I],
-    "tk_decode_attention": [_P, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I, _I],
-    "tk_prefill_attention": [_P, _P, _L, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I, _I],
-    "tk_qgemm": [_P, _L, _I, _P, _P, _P, _I, _I, _P, _P, _L, _I, _I, _I, _I, _I, _I, _I],
-    "tk_qgemm_int8": [],
-    "tk_decode_stack": [_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I],
-    "tk_write_kv": [_P, _P, _I, _P, _P, _L, _I, _P, _I, _I, _L, _I],
-    "tk_argmax_rows": [_P, _P, _L, _I, _I, _I],
-}
-
+_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 # The kernels a decode step calls hundreds of times, also bound without argtypes: ctypes
 # converts 17 declared arguments in ~2.9 us a call, against ~0.9 us for arguments passed as
@@ -51,34 +43,6 @@ _HOT = ("tk_qgemm", "tk_rms_norm", "tk_rope")
 
 class KernelError(RuntimeError):
     pass
-
-
-class LoraTerm(ctypes.Structure):
-    """gemm.c's ``tk_lora`` (gemm_lora.h): a LoRA term per row, added inside the GEMM.
-
-    Built once per layer by ``NativeKernels.lora_term``, which checks the slot tensors (their
-    storage never moves: slots are written in place); ``for_rows`` points it at a step's
-    rows. Whoever builds one keeps its tensors alive while it is used."""
-
-    _fields_ = [
-        ("row_slot", ctypes.c_void_p),  # int32 [M]: the row's adapter slot, or -1
-        ("la", ctypes.c_void_p),  # [S, K, R]: lora_A^T of every slot
-        ("lb", ctypes.c_void_p),  # [S, NP, R, NR]: lora_B^T x scale per weight panel
-        ("ranks", ctypes.c_void_p),  # int32 [S]: ranks each slot uses
-        ("spans", ctypes.c_void_p),  # int32 [S, NP, 2]: the ranks [t0, t1) each weight panel adds
-        ("r", ctypes.c_int),  # R: ranks, a whole number of vectors
-        ("np", ctypes.c_int),
-        ("xa", ctypes.c_void_p),  # float32 workspace, >= M x R
-        ("ldtype", ctypes.c_int),  # la and lb: float32 or bfloat16
-    ]
-
-    def for_rows(self, row_slot: torch.Tensor, xa: torch.Tensor) -> LoraTerm:
-        """This term for a step's rows: ``row_slot`` int32 [M] (slots below S, the caller's
-        promise), ``xa`` a float32 workspace of at least M x R; both contiguous."""
-        if xa.numel() < row_slot.shape[0] * self.r:
-            raise ValueError("lora term: the workspace holds fewer than M x R floats")
-        self.row_slot, self.xa = row_slot.data_ptr(), xa.data_ptr()
-        return self
 
 
 def _code(t: torch.Tensor) -> int:
@@ -109,7 +73,8 @@ def _check(name: str, rc: int) -> None:
 class PackedWeight:
     """A linear layer's weight in the GEMM's panel layout (gemm.c), and its bias padded to
     whole panels (float32). ``out_features`` is the width of the result: half the weight's
-    rows for a gate/up pair packed for the fused SiLU-and-multiply."""
+    rows for a gate/up pair packed for the fused SiLU-and-multiply. ``linear``: the weight as
+    ``tk_gemm`` takes it."""
 
     def __init__(
         self, panels: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int, silu_mul: bool
@@ -119,9 +84,13 @@ class PackedWeight:
         self.in_features = in_features
         self.out_features = out_features
         self.silu_mul = silu_mul
+        self.linear = Linear(
+            quantized=0, kind=_code(panels), w=panels.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+            n=out_features, k=in_features, epilogue=EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_NONE,
+        )  # fmt: skip
 
 
-# Groups of K the int8-activation path takes (quant.c: a group's integer sums in one slice).
+# Groups of K the int8-activation path takes (quant_int8.c: a group's integer sums in one slice).
 INT8_ACTIVATION_MAX_GROUP = 512
 
 
@@ -134,14 +103,14 @@ class NativeKernels:
         self.isa = isa
         self.path = path
         lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
-            # A build of an older commit's sources (benchmarks.decode_kernels times one
-            # beside this checkout's) may lack a newer kernel: unbound, it fails if called.
-            fn = getattr(lib, name, None)
-            if fn is None:
-                continue
-            fn.restype = ctypes.c_int
-            fn.argtypes = argtypes
+        # A build of other sources (benchmarks.decode_kernels builds an older commit's beside
+        # this checkout's) may take other arguments: called with these, it would crash.
+        built = lib.tk_api_version() if hasattr(lib, "tk_api_version") else 1
+        if built != API_VERSION:
+            raise KernelError(f"{path} has C API {built}, these bindings are for {API_VERSION} (tandem_api.h)")
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
         self._lib = lib
         raw = ctypes.CDLL(str(path))  # the same loaded object; its own function objects
         self._fast = {name: getattr(raw, name) for name in _HOT}
@@ -227,9 +196,7 @@ class NativeKernels:
         # bfloat16 A, widened to float32 (or paired, gemm_bf16.h) once per call; float32 A needs none.
         ws = torch.empty(m * w.in_features, dtype=torch.float32) if code else None  # alive through the call
         rc = self._lib.tk_gemm(
-            x.data_ptr(), x.stride(0), code, w.panels.data_ptr(), code,
-            None if w.bias is None else w.bias.data_ptr(), out.data_ptr(), w.out_features, code,
-            m, w.out_features, w.in_features, EPILOGUE_SILU_MUL if w.silu_mul else EPILOGUE_NONE,
+            ctypes.byref(w.linear), x.data_ptr(), x.stride(0), out.data_ptr(), w.out_features, code, m,
             None if ws is None else ws.data_ptr(), None if lora is None else ctypes.byref(lora),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -259,15 +226,12 @@ class NativeKernels:
             raise ValueError(f"qgemm: int8 activations need int8 dot products and groups of at most 512 ({self.isa})")
         raw = pre_activation and w.silu_mul  # every panel as it is: gate and up panels alternate
         m, nr = x.shape[0], w.panel_width
-        n = w.qs.shape[0] * nr if raw else w.out_features
-        out = torch.empty(m, n, dtype=x.dtype)
+        linear = w.linear(raw, int8_activations)
+        out = torch.empty(m, linear.n, dtype=x.dtype)
         xf = x if x.dtype == torch.float32 else x.float()  # the kernel reads float32 rows
-        qs, scale, minimum, bias = w.pointers
         rc = self._fast["tk_qgemm"](
-            _P(xf.data_ptr()), _L(xf.stride(0)), w.bits, qs, scale, minimum, SCALE_CODES[w.scale.dtype], w.group,
-            bias, _P(out.data_ptr()), _L(out.stride(0)), _code(out), _int32(m), n, w.in_features,
-            EPILOGUE_SILU_MUL if w.silu_mul and not raw else EPILOGUE_NONE, int(int8_activations),
-            torch.get_num_threads(),
+            ctypes.byref(linear), _P(xf.data_ptr()), _L(xf.stride(0)), _P(out.data_ptr()), _L(out.stride(0)),
+            _code(out), _int32(m), torch.get_num_threads(),
         )  # fmt: skip
         _check("qgemm", rc)
         if not raw:
@@ -275,10 +239,16 @@ class NativeKernels:
         half, tiles = w.out_features, w.qs.shape[0] // 2
         return out.view(m, tiles, 2, nr).transpose(1, 2).reshape(m, 2, tiles * nr)[:, :, :half].reshape(m, 2 * half)
 
-    def decode_stack(self, *args: object) -> int:
+    def decode_stack(
+        self, layers: ctypes.Array[Layer], shape: StackShape, rows: DecodeRows, x: torch.Tensor,
+        residual: torch.Tensor, ws: torch.Tensor,
+    ) -> int:  # fmt: skip
         """``tk_decode_stack`` (stack.c) as it is: its caller (``model/decode_stack.py``)
-        builds and checks the layer table and buffers it points at."""
-        return self._lib.tk_decode_stack(*args)
+        builds and checks the layer table, the rows and the buffers they point at."""
+        return self._lib.tk_decode_stack(
+            ctypes.byref(layers), len(layers), ctypes.byref(shape), ctypes.byref(rows), x.data_ptr(),
+            residual.data_ptr(), ws.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
 
     # -- small ops --------------------------------------------------------------------
 
@@ -369,18 +339,22 @@ class NativeKernels:
             or slots.dtype != torch.int64 or slots.shape != (rows,)
         ):  # fmt: skip
             return False
+        shape = AttnShape(
+            num_kv_heads=kv_heads, head_dim=head_dim, row_stride=k.stride(0), dtype=_code(k), kv_dtype=_code(k_cache)
+        )
         rc = self._lib.tk_write_kv(
-            k_cache.data_ptr(), v_cache.data_ptr(), _code(k_cache), k.data_ptr(), v.data_ptr(), k.stride(0),
-            _code(k), slots.data_ptr(), rows, width, k_cache.numel() // width, torch.get_num_threads(),
+            ctypes.byref(shape), k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+            slots.data_ptr(), rows, k_cache.numel() // width, torch.get_num_threads(),
         )  # fmt: skip
         _check("write_kv (a slot outside the cache?)", rc)
         return True
 
-    def _check_attention(
-        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> tuple[int, int]:
-        """(q's dtype code, the caches'): q and out share one dtype, the caches another, the
-        same or bfloat16."""
+    def _attn_shape(
+        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> AttnShape:
+        """The attention's shape, checked: q and out share one dtype, the caches another, the
+        same or bfloat16; out [rows, heads, head_dim]; caches [blocks, block_size, kv_heads,
+        head_dim]."""
         _contiguous(out, k_cache, v_cache)
         code, kv_code = _code(q), _code(k_cache)
         if out.dtype != q.dtype or k_cache.dtype != v_cache.dtype:
@@ -394,7 +368,8 @@ class NativeKernels:
             raise ValueError("attention: q must be [rows, >= heads * head_dim] with unit column stride")
         if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
             raise ValueError("attention: cache shape mismatch")
-        return code, kv_code
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        return AttnShape(num_heads, num_kv_heads, head_dim, block_size, q.stride(0), scale, code, kv_code)
 
     @staticmethod
     def _check_int32(*tensors: torch.Tensor) -> None:
@@ -409,16 +384,18 @@ class NativeKernels:
         """One query token per row. out [rows, heads, head_dim]; q [rows, >= heads * head_dim]
         (the q part of qkv); caches [blocks, block_size, kv_heads, head_dim]; block_table
         [rows, stride] int32; ctx_lens [rows] int32."""
-        code, kv_code = self._check_attention(out, q, k_cache, v_cache)
+        shape = self._attn_shape(out, q, k_cache, v_cache, scale)
         self._check_int32(block_table, ctx_lens)
-        rows = out.shape[0]
-        if block_table.shape[0] != rows or ctx_lens.shape[0] != rows:
+        num_rows = out.shape[0]
+        if block_table.shape[0] != num_rows or ctx_lens.shape[0] != num_rows:
             raise ValueError("decode attention: one block-table row and one length per query row")
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        rows = DecodeRows(
+            num_rows=num_rows, block_table=block_table.data_ptr(), table_stride=block_table.shape[1],
+            ctx_lens=ctx_lens.data_ptr(), max_ctx_len=max_ctx_len,
+        )  # fmt: skip
         rc = self._lib.tk_decode_attention(
-            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_table.data_ptr(), ctx_lens.data_ptr(), rows, out.shape[1], num_kv_heads, head_dim, block_size,
-            block_table.shape[1], max_ctx_len, scale, code, kv_code, torch.get_num_threads(),
+            ctypes.byref(shape), ctypes.byref(rows), out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         _check("decode attention", rc)
 
@@ -430,7 +407,7 @@ class NativeKernels:
         """Causal attention of prefill chunks over the paged cache (their own K/V included).
         Chunk c: rows chunk_rows[c] .. + chunk_lens[c] of q/out, positions chunk_starts[c] ..;
         block_table [chunks, stride] int32."""
-        code, kv_code = self._check_attention(out, q, k_cache, v_cache)
+        shape = self._attn_shape(out, q, k_cache, v_cache, scale)
         self._check_int32(block_table, chunk_rows, chunk_starts, chunk_lens)
         num_chunks = chunk_lens.shape[0]
         if (
@@ -439,11 +416,12 @@ class NativeKernels:
             or chunk_starts.shape[0] != num_chunks
         ):
             raise ValueError("prefill attention: one block-table row, row start and position per chunk")
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        chunks = PrefillChunks(
+            num_chunks, chunk_rows.data_ptr(), chunk_starts.data_ptr(), chunk_lens.data_ptr(), block_table.data_ptr(),
+            block_table.shape[1],
+        )  # fmt: skip
         rc = self._lib.tk_prefill_attention(
-            out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_table.data_ptr(), chunk_rows.data_ptr(), chunk_starts.data_ptr(), chunk_lens.data_ptr(),
-            num_chunks, out.shape[1], num_kv_heads, head_dim, block_size, block_table.shape[1], scale, code,
-            kv_code, torch.get_num_threads(),
+            ctypes.byref(shape), ctypes.byref(chunks), out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         _check("prefill attention", rc)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_svc.model.native.api import EPILOGUE_NONE, EPILOGUE_SILU_MUL, SCALE_CODES, Linear
 from engine_svc.model.native.quant import QuantizedWeight
 
 
@@ -49,12 +50,26 @@ class PackedQuantWeight:
     # qs, scale, min, bias as the kernel's pointer arguments (None: NULL), made once: the
     # tensors never move
     pointers: tuple = field(init=False, repr=False, compare=False)
+    _linears: dict[tuple[bool, bool], Linear] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tensors = (self.qs, self.scale, self.min, self.bias)
         object.__setattr__(
             self, "pointers", tuple(None if t is None else ctypes.c_void_p(t.data_ptr()) for t in tensors)
         )
+
+    def linear(self, raw: bool = False, int8_activations: bool = False) -> Linear:
+        """The weight as ``tk_qgemm`` takes it (made once per kind of call): ``raw``, every panel
+        as it is (a gate/up weight's gate and up panels alternating, no SiLU-and-multiply)."""
+        key = (raw, int8_activations)
+        if key not in self._linears:
+            qs, scale, minimum, bias = self.pointers
+            self._linears[key] = Linear(
+                1, self.bits, qs, scale, minimum, SCALE_CODES[self.scale.dtype], self.group, bias,
+                self.qs.shape[0] * self.panel_width if raw else self.out_features, self.in_features,
+                EPILOGUE_SILU_MUL if self.silu_mul and not raw else EPILOGUE_NONE, int(int8_activations),
+            )  # fmt: skip
+        return self._linears[key]
 
     @property
     def panel_width(self) -> int:

@@ -21,65 +21,19 @@
  *   h = rms_norm(r += o) * w_post
  *   x = (silu(h @ Wg^T) * (h @ Wu^T)) @ Wd^T
  *
- * Float32 activations, with caches float32 or bfloat16 (shape's kv_dtype: each K and V
+ * Float32 activations, with caches float32 or bfloat16 (attn.kv_dtype: each K and V
  * value rounded to nearest even as it is written, as torch's copy into a bfloat16 cache
  * rounds) and linear layers of packed float32 panels (gemm.c) or quantized ones (quant.c),
- * layer by layer; or bfloat16 activations (shape's dtype: a bfloat16 model), with bfloat16
+ * layer by layer; or bfloat16 activations (attn.dtype: a bfloat16 model), with bfloat16
  * caches and every linear layer packed in bfloat16 panels, each kernel called on bfloat16
  * rows as the layers' Python path calls it (tk_gemm widening or pairing A in a workspace).
  */
+#include "tandem_api.h"
+
 #include <stdint.h>
 #include <string.h>
 
 #include "tandem_kernels.h"
-
-typedef struct tk_lora tk_lora;
-
-int tk_gemm(const void *a, int lda, int adtype, const void *panels, int pdtype, const float *bias, void *c, int ldc,
-            int cdtype, int M, int N, int K, int epilogue, float *ws, const tk_lora *lora, int num_threads);
-int tk_qgemm(const float *x, long ldx, int kind, const void *qs, const void *scale, const void *min, int sdtype,
-             int group, const float *bias, void *y, long ldy, int ydtype, int M, int N, int K, int epilogue,
-             int xquant, int nthreads);
-int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps,
-                int dtype, int num_threads);
-int tk_rope(void *qkv, long row_stride, const int64_t *positions, const float *cos_sin, int max_position, int rows,
-            int num_heads, int head_dim, int dtype, int num_threads);
-int tk_decode_attention(void *out, const void *q, long q_row_stride, const void *k_cache, const void *v_cache,
-                        const int32_t *block_table, const int32_t *ctx_lens, int num_rows, int num_heads,
-                        int num_kv_heads, int head_dim, int block_size, int table_stride, int max_ctx_len,
-                        float scale, int dtype, int kv_dtype, int num_threads);
-
-/* One linear layer as its kernel takes it. quantized 0: tk_gemm on panels of dtype
- * `kind` (TK_F32 / TK_BF16 panels with float32 rows); 1: tk_qgemm of kind 8 or 4. */
-typedef struct {
-    int quantized;
-    int kind;
-    const void *w;
-    const void *scale; /* quantized only */
-    const void *min;
-    int sdtype;
-    int group;
-    const float *bias;
-    int n; /* output columns (of the SiLU-and-multiply's result for a gate/up pair) */
-    int k;
-    int epilogue;
-    int xquant; /* quantized only: int8 activations (tk_qgemm's xquant) */
-} tk_linear;
-
-typedef struct {
-    const float *in_norm;   /* [hidden] */
-    const float *post_norm; /* [hidden] */
-    tk_linear qkv, o, gate_up, down;
-    void *k_cache; /* [blocks, block_size, kv_heads, head_dim], kv_dtype */
-    void *v_cache;
-} tk_layer;
-
-typedef struct {
-    int hidden, num_heads, num_kv_heads, head_dim, block_size, max_position;
-    float eps, scale;
-    int kv_dtype; /* TK_F32 or TK_BF16 */
-    int dtype;    /* the activations': TK_F32, or TK_BF16 (then kv_dtype too, and no layer quantized) */
-} tk_stack_shape;
 
 /* n values of a row (dtype sdtype) into slot `slot` of a cache of dtype kv_dtype: bfloat16
  * rows as they are (the cache is then bfloat16 too), float32 rows copied or rounded. */
@@ -97,14 +51,14 @@ static void write_kv_row(void *cache, int64_t slot, const void *row, int sdtype,
     }
 }
 
-/* The step's K and V rows into their slots of the paged caches (the Python path's write
- * before attention): row i of k, at k + i * stride (width values, dtype sdtype), goes to
- * slot slots[i] of k_cache (dtype cdtype: sdtype's, or bfloat16 beside float32 rows), and
- * the same for v. Every slot is checked against num_slots first: 2, nothing written, if one
- * is outside it or the dtypes do not pair. A row is one thread's; rows split across threads
- * from 256 on (a prefill chunk), below that one thread copies them all. */
-int tk_write_kv(void *k_cache, void *v_cache, int cdtype, const void *k, const void *v, long stride, int sdtype,
-                const int64_t *slots, int rows, int width, long num_slots, int num_threads) {
+/* The Python path's write before attention, for every row at once: row i of k (and v) goes
+ * to slot slots[i], every slot checked before anything is written. A row is one thread's;
+ * rows split across threads from 256 on (a prefill chunk), below that one thread copies
+ * them all. */
+int tk_write_kv(const tk_attn_shape *s, void *k_cache, void *v_cache, const void *k, const void *v,
+                const int64_t *slots, int rows, long num_slots, int num_threads) {
+    const int cdtype = s->kv_dtype, sdtype = s->dtype, width = s->num_kv_heads * s->head_dim;
+    const long stride = s->row_stride;
     if (rows < 0 || width <= 0 || !(cdtype == sdtype || (cdtype == TK_BF16 && sdtype == TK_F32))) return 2;
     for (int i = 0; i < rows; i++)
         if (slots[i] < 0 || slots[i] >= num_slots) return 2;
@@ -119,29 +73,25 @@ int tk_write_kv(void *k_cache, void *v_cache, int cdtype, const void *k, const v
 
 /* y = x @ W^T for M rows of dtype `dtype` (x's and y's); ws: M * K floats for bfloat16 rows. */
 static int linear(const tk_linear *l, const void *x, int M, void *y, int dtype, float *ws, int threads) {
-    if (l->quantized)
-        return tk_qgemm(x, l->k, l->kind, l->w, l->scale, l->min, l->sdtype, l->group, l->bias, y, l->n, TK_F32, M,
-                        l->n, l->k, l->epilogue, l->xquant, threads);
-    return tk_gemm(x, l->k, dtype, l->w, l->kind, l->bias, y, l->n, dtype, M, l->n, l->k, l->epilogue,
-                   dtype == TK_BF16 ? ws : NULL, NULL, threads);
+    if (l->quantized) return tk_qgemm(l, x, l->k, y, l->n, TK_F32, M, threads);
+    return tk_gemm(l, x, l->k, y, l->n, dtype, M, dtype == TK_BF16 ? ws : NULL, NULL, threads);
 }
 
-/* x [M, hidden]: the embedding in, the last layer's MLP output out; residual [M, hidden]:
- * the stream out (the caller norms residual + x); both of the shape's dtype. positions,
- * slots: [M] int64; block_table [M, table_stride] and ctx_lens [M] int32. ws: float32
- * workspace of at least M * (hidden + qkv + heads * head_dim + intermediate) floats, and
- * for bfloat16 activations M * max(hidden, heads * head_dim, intermediate) more. Returns
- * 0, or 100 * (layer + 1) + the failing kernel's code. */
-int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape *s, void *x, void *residual,
-                    const int64_t *positions, const int64_t *slots, const int32_t *block_table, int table_stride,
-                    const int32_t *ctx_lens, int max_ctx_len, const float *cos_sin, float *ws, int M,
-                    int num_threads) {
+/* x, residual [M, hidden] of the shape's dtype (the caller norms residual + x); positions,
+ * slots, block table and context lengths: the rows'. ws: float32 workspace of at least
+ * M * (hidden + qkv + heads * head_dim + intermediate) floats, and for bfloat16 activations
+ * M * max(hidden, heads * head_dim, intermediate) more. */
+int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape *s, const tk_decode_rows *rows,
+                    void *x, void *residual, float *ws, int num_threads) {
+    const int M = rows->num_rows;
+    const tk_attn_shape *a = &s->attn;
     if (M <= 0 || num_layers <= 0) return M < 0 ? 2 : 0;
-    if (s->kv_dtype != TK_F32 && s->kv_dtype != TK_BF16) return 2;
-    const int dt = s->dtype, bf = dt == TK_BF16;
-    if (dt != TK_F32 && !(bf && s->kv_dtype == TK_BF16)) return 2;
-    const int hd = s->head_dim, nh = s->num_heads, nkv = s->num_kv_heads;
+    if (a->kv_dtype != TK_F32 && a->kv_dtype != TK_BF16) return 2;
+    const int dt = a->dtype, bf = dt == TK_BF16;
+    if (dt != TK_F32 && !(bf && a->kv_dtype == TK_BF16)) return 2;
+    const int hd = a->head_dim, nh = a->num_heads, nkv = a->num_kv_heads;
     const int qkv_n = (nh + 2 * nkv) * hd, kv_width = nkv * hd;
+    if (a->row_stride != qkv_n) return 2;
     int max_k = s->hidden > nh * hd ? s->hidden : nh * hd;
     for (int l = 0; l < num_layers; l++) {
         const tk_layer *L = &layers[l];
@@ -159,8 +109,8 @@ int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape
     for (int l = 0; l < num_layers; l++) {
         const tk_layer *L = &layers[l];
         int rc;
-#define RUN(call)                              \
-    do {                                       \
+#define RUN(call)                                          \
+    do {                                                   \
         if ((rc = (call)) != 0) return 100 * (l + 1) + rc; \
     } while (0)
         if (l == 0) {
@@ -170,14 +120,13 @@ int tk_decode_stack(const tk_layer *layers, int num_layers, const tk_stack_shape
             RUN(tk_rms_norm(h, residual, x, L->in_norm, M, s->hidden, s->eps, dt, num_threads));
         }
         RUN(linear(&L->qkv, h, M, qkv, dt, gemm_ws, num_threads));
-        RUN(tk_rope(qkv, qkv_n, positions, cos_sin, s->max_position, M, nh + nkv, hd, dt, num_threads));
+        RUN(tk_rope(qkv, qkv_n, rows->positions, s->cos_sin, s->max_position, M, nh + nkv, hd, dt, num_threads));
         for (int r = 0; r < M; r++) {
             const char *row = qkv + (size_t)r * qkv_n * e;
-            write_kv_row(L->k_cache, slots[r], row + (size_t)nh * hd * e, dt, kv_width, s->kv_dtype);
-            write_kv_row(L->v_cache, slots[r], row + (size_t)(nh + nkv) * hd * e, dt, kv_width, s->kv_dtype);
+            write_kv_row(L->k_cache, rows->slots[r], row + (size_t)nh * hd * e, dt, kv_width, a->kv_dtype);
+            write_kv_row(L->v_cache, rows->slots[r], row + (size_t)(nh + nkv) * hd * e, dt, kv_width, a->kv_dtype);
         }
-        RUN(tk_decode_attention(attn, qkv, qkv_n, L->k_cache, L->v_cache, block_table, ctx_lens, M, nh, nkv, hd,
-                                s->block_size, table_stride, max_ctx_len, s->scale, dt, s->kv_dtype, num_threads));
+        RUN(tk_decode_attention(a, rows, attn, qkv, L->k_cache, L->v_cache, num_threads));
         RUN(linear(&L->o, attn, M, x, dt, gemm_ws, num_threads));
         RUN(tk_rms_norm(h, residual, x, L->post_norm, M, s->hidden, s->eps, dt, num_threads));
         RUN(linear(&L->gate_up, h, M, gu, dt, gemm_ws, num_threads));

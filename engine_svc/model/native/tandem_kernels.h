@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tandem_api.h" /* TK_F32, TK_BF16 */
+
 #if defined(__AVX512F__)
 #define TK_VBYTES 64
 #else
@@ -30,8 +32,6 @@ typedef uint32_t vu __attribute__((vector_size(TK_VBYTES)));
 typedef int32_t vi __attribute__((vector_size(TK_VBYTES)));
 
 typedef uint16_t bf16;
-
-enum { TK_F32 = 0, TK_BF16 = 1 };
 
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
