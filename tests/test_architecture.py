@@ -3,6 +3,7 @@
 Each test runs the real tool over the tree, as a contributor would before a commit:
     .venv/bin/lint-imports          contracts in pyproject.toml [tool.importlinter]
     .venv/bin/ruff check . && .venv/bin/ruff format --check .
+    .venv/bin/clang-format --dry-run --Werror <the C sources>     layout in .clang-format
     .venv/bin/mypy                  files and strictness in pyproject.toml [tool.mypy]
 and one rule no contract states for the whole tree: no import circle, benchmarks and
 tests included.
@@ -52,6 +53,14 @@ def test_ruff_lint_is_clean():
 def test_ruff_format_is_clean():
     result = _run(_tool("ruff"), "format", "--check", ".")
     assert result.returncode == 0, "run `ruff format .`:\n" + result.stdout + result.stderr
+
+
+def test_clang_format_is_clean():
+    """The native kernels' C in .clang-format's layout, as ruff holds the Python's."""
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine_svc").rglob("*.[ch]"))
+    assert sources, "no C sources found"
+    result = _run(_tool("clang-format"), "--dry-run", "--Werror", *sources)
+    assert result.returncode == 0, "run `clang-format -i` on them:\n" + result.stdout + result.stderr
 
 
 def test_mypy_is_clean():

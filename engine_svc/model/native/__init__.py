@@ -10,7 +10,8 @@ the AVX512-BF16 build, ``gemm_bf16.h``; a LoRA term inside the product, ``gemm_l
 ``quant_wide.c``, ``quant_int8.c``), ``elementwise.c`` (RMSNorm with the residual add,
 SiLU-and-multiply, RoPE, argmax), ``attention.c`` and ``attention_prefill.c`` (decode and
 prefill attention reading the paged KV cache in place, one query vector's arithmetic shared in
-``attention_row.h``) and ``stack.c`` (a decode step's layers in one call).
+``attention_row.h``) and ``stack.c`` (a decode step's layers in one call); their layout is
+the repository's ``.clang-format``.
 ``cpu.py`` reads the CPU's flags at run time and picks a build (AVX2, AVX512,
 AVX512-BF16); ``build.py`` compiles it with the system's C compiler (``$CC``, else
 ``cc``) into a cache keyed by the sources and flags, so a build never runs on a CPU it was

@@ -55,9 +55,10 @@ static inline float dot(const float *a, const void *b, size_t boff, int n, int d
  * next span is requested while this one is worked on: the K pass's last span requests the
  * V pass's first, and the V pass's last requests `after` (the first K span of the row this
  * thread takes next, or NULL), so that neither pass nor row starts on a cold span. */
-static inline __attribute__((always_inline)) void decode_row(float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table,
-                       int len, int num_heads, int group, int head_dim, int block_size,
-                       size_t token_stride, size_t elem, int dtype, float *scores, const char *after) {
+static inline __attribute__((always_inline)) void decode_row(
+    float *of, const float *qf, const char *k_cache, const char *v_cache, const int32_t *table, int len, int num_heads,
+    int group, int head_dim, int block_size, size_t token_stride, size_t elem, int dtype, float *scores,
+    const char *after) {
     const int vec = head_dim % TK_VL == 0;
     const int num_kv_heads = num_heads / group;
     const size_t lines = ((size_t)(block_size < SPAN ? block_size : SPAN) * token_stride * elem + 63) / 64;
@@ -100,7 +101,8 @@ static inline __attribute__((always_inline)) void decode_row(float *of, const fl
             for (int j = 0; j < group; j++)
                 for (int i = 0; i < n; i++)
                     for (int d = 0; d < head_dim; d++)
-                        og[(size_t)j * head_dim + d] += pg[(size_t)j * len + i] * load_any(v_cache, voff + (size_t)i * token_stride + d, dtype);
+                        og[(size_t)j * head_dim + d] +=
+                            pg[(size_t)j * len + i] * load_any(v_cache, voff + (size_t)i * token_stride + d, dtype);
         }
     }
 }
@@ -113,8 +115,7 @@ int tk_decode_attention(const tk_attn_shape *s, const tk_decode_rows *rows, void
     const float scale = s->scale;
     const int32_t *block_table = rows->block_table, *ctx_lens = rows->ctx_lens;
     const int num_rows = rows->num_rows, table_stride = rows->table_stride, max_ctx_len = rows->max_ctx_len;
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads > MAX_HEADS || head_dim <= 0 ||
-        block_size <= 0)
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads > MAX_HEADS || head_dim <= 0 || block_size <= 0)
         return 2;
     const int group = num_heads / num_kv_heads;
     const size_t token_stride = (size_t)num_kv_heads * head_dim, elem = kv_dtype == TK_BF16 ? 2 : 4;
@@ -124,7 +125,8 @@ int tk_decode_attention(const tk_attn_shape *s, const tk_decode_rows *rows, void
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * ((size_t)num_heads * (max_ctx_len > 0 ? max_ctx_len : 1) + 2 * row_elems));
+        float *scores =
+            malloc(sizeof(float) * ((size_t)num_heads * (max_ctx_len > 0 ? max_ctx_len : 1) + 2 * row_elems));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -141,22 +143,24 @@ int tk_decode_attention(const tk_attn_shape *s, const tk_decode_rows *rows, void
             row_after = next_row++;
             const char *after = NULL;
             if (row_after < num_rows && ctx_lens[row_after] > 0 && max_ctx_len > 0)
-                after = (const char *)k_cache + span_at(block_table + (size_t)row_after * table_stride, 0, 1, block_size,
-                                                        token_stride, &n) * elem;
+                after =
+                    (const char *)k_cache +
+                    span_at(block_table + (size_t)row_after * table_stride, 0, 1, block_size, token_stride, &n) * elem;
             const int len = ctx_lens[row] > 0 ? (ctx_lens[row] < max_ctx_len ? ctx_lens[row] : max_ctx_len) : 0;
             for (size_t i = 0; i < row_elems; i++) qf[i] = scale * load_any(q, (size_t)row * q_row_stride + i, dtype);
             const int32_t *table = block_table + (size_t)row * table_stride;
             /* one copy of the row loop per cache dtype, so no load tests the dtype */
             if (len > 0 && kv_dtype == TK_BF16)
-                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group,
-                           head_dim, block_size, token_stride, elem, TK_BF16, scores, after);
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group, head_dim,
+                           block_size, token_stride, elem, TK_BF16, scores, after);
             else if (len > 0)
-                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group,
-                           head_dim, block_size, token_stride, elem, TK_F32, scores, after);
+                decode_row(of, qf, (const char *)k_cache, (const char *)v_cache, table, len, num_heads, group, head_dim,
+                           block_size, token_stride, elem, TK_F32, scores, after);
             else
                 memset(of, 0, sizeof(float) * row_elems);
             size_t i = 0;
-            for (; i + TK_VL <= row_elems; i += TK_VL) vstore_any(out, (size_t)row * row_elems + i, vload(of + i), dtype);
+            for (; i + TK_VL <= row_elems; i += TK_VL)
+                vstore_any(out, (size_t)row * row_elems + i, vload(of + i), dtype);
             for (; i < row_elems; i++) store_any(out, (size_t)row * row_elems + i, of[i], dtype);
             row = row_after;
         }

@@ -69,10 +69,10 @@ static const float *span_f32(const char *cache, size_t off, size_t *stride, int 
 
 /* One prefill item: vector j (of nqt * group) is query token j / group of the tile, head
  * kv_head * group + j % group; its context is positions 0 .. its own. */
-static void prefill_item_run(const prefill_item *it, void *out, const void *q, long q_row_stride, const char *k_cache,
-                             const char *v_cache, const int32_t *table, int chunk_row, int chunk_start, int chunk_len,
-                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int dtype,
-                             int kv_dtype, const prefill_scratch *w) {
+static void prefill_item_run(
+    const prefill_item *it, void *out, const void *q, long q_row_stride, const char *k_cache, const char *v_cache,
+    const int32_t *table, int chunk_row, int chunk_start, int chunk_len, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, float scale, int dtype, int kv_dtype, const prefill_scratch *w) {
     const int group = num_heads / num_kv_heads, kvh = it->kv_head;
     const size_t token_stride = (size_t)num_kv_heads * head_dim, ss = w->s_stride, hd = (size_t)head_dim;
     const int q0 = it->tile * QT, nqt = chunk_len - q0 < QT ? chunk_len - q0 : QT;
@@ -101,8 +101,9 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
                 score_tile(w->qf + j * hd, hd, k + (size_t)t * stride, stride, head_dim, w->s + j * ss + t0 + t, ss);
             for (int r = j; r < j + SCORE_ROWS; r++) {
                 const int nr = LEN(r) - t0 < n ? LEN(r) - t0 : n;
-                if (nr > t) score_tokens(w->qf + r * hd, k + (size_t)t * stride, 0, stride, nr - t, head_dim, TK_F32,
-                                         w->s + r * ss + t0 + t);
+                if (nr > t)
+                    score_tokens(w->qf + r * hd, k + (size_t)t * stride, 0, stride, nr - t, head_dim, TK_F32,
+                                 w->s + r * ss + t0 + t);
             }
         }
         for (; j < nrows; j++) {
@@ -119,11 +120,11 @@ static void prefill_item_run(const prefill_item *it, void *out, const void *q, l
         const int full = FIRST(t0 + n) < nrows ? FIRST(t0 + n) : nrows;
         for (int j = FIRST(t0 + 1); j < full; j += group) { /* the diagonal: a token's vectors see part */
             const int count = full - j < group ? full - j : group;
-            weighted_sum_any(count, WS_ROWS, w->o + j * hd, hd, w->s + j * ss + t0, ss, v, 0, stride, LEN(j) - t0, head_dim,
-                             TK_F32);
+            weighted_sum_any(
+                count, WS_ROWS, w->o + j * hd, hd, w->s + j * ss + t0, ss, v, 0, stride, LEN(j) - t0, head_dim, TK_F32);
         }
-        weighted_sum_any(nrows - full, WS_ROWS, w->o + full * hd, hd, w->s + full * ss + t0, ss, v, 0, stride, n, head_dim,
-                         TK_F32);
+        weighted_sum_any(
+            nrows - full, WS_ROWS, w->o + full * hd, hd, w->s + full * ss + t0, ss, v, 0, stride, n, head_dim, TK_F32);
     }
 #undef LEN
 #undef FIRST
@@ -142,8 +143,7 @@ int tk_prefill_attention(const tk_attn_shape *s, const tk_prefill_chunks *chunks
     const int32_t *block_table = chunks->block_table, *chunk_rows = chunks->rows;
     const int32_t *chunk_starts = chunks->starts, *chunk_lens = chunks->lens;
     const int num_chunks = chunks->num_chunks, table_stride = chunks->table_stride;
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim % TK_VL != 0 ||
-        block_size <= 0)
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim % TK_VL != 0 || block_size <= 0)
         return 2;
     const int rows = QT * (num_heads / num_kv_heads);
     int num_items = 0, len_cap = 1;

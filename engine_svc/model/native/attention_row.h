@@ -42,19 +42,21 @@ static inline __attribute__((always_inline)) vf hsum_group(const vf acc[16]) {
         l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     }
     for (int i = 0; i < 4; i++) /* tokens 4i .. 4i+3, one partial sum per 128-bit lane */
-        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
-                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+        l2[i] = _mm512_add_ps(
+            _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44), _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
     for (int i = 0; i < 2; i++) /* tokens 8i .. 8i+7, two partial sums each */
-        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
+        l3[i] = _mm512_add_ps(
+            _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88), _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
     return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88), _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD));
 }
 #else
 /* Lane t of the result := the lane sum of vector t of 8, as a tree of horizontal adds: sum t is, with
  * a = acc[t], ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), whatever the others hold. */
 static inline __attribute__((always_inline)) vf hsum_group(const vf acc[8]) {
-    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
-    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]),
+                 t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]),
+                 t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
@@ -63,8 +65,8 @@ static inline __attribute__((always_inline)) vf hsum_group(const vf acc[8]) {
 /* scores[0..n) = q . k_t for n <= SCORE_GROUP tokens (n a literal where it can be) whose
  * keys start at k + koff + t * stride: a lane-sum vector per token, reduced by hsum_group
  * (the unused ones zero). */
-static inline __attribute__((always_inline)) void score_group(const int n, const float *q, const void *k, size_t koff,
-                                                              size_t stride, int head_dim, int dtype, float *scores) {
+static inline __attribute__((always_inline)) void score_group(
+    const int n, const float *q, const void *k, size_t koff, size_t stride, int head_dim, int dtype, float *scores) {
     vf acc[SCORE_GROUP];
     for (int t = 0; t < SCORE_GROUP; t++) acc[t] = vzero();
     for (int d = 0; d < head_dim; d += TK_VL) {
@@ -80,9 +82,8 @@ static inline __attribute__((always_inline)) void score_group(const int n, const
 }
 
 /* scores[0..n) for n contiguous tokens (any n), keys as in score_group. */
-static inline __attribute__((always_inline)) void score_tokens(const float *q, const void *k, size_t koff,
-                                                               size_t stride, int n, int head_dim, int dtype,
-                                                               float *scores) {
+static inline __attribute__((always_inline)) void score_tokens(
+    const float *q, const void *k, size_t koff, size_t stride, int n, int head_dim, int dtype, float *scores) {
     int i = 0;
     for (; i + SCORE_GROUP <= n; i += SCORE_GROUP)
         score_group(SCORE_GROUP, q, k, koff + (size_t)i * stride, stride, head_dim, dtype, scores + i);
@@ -149,9 +150,8 @@ static inline void softmax_row(float *s, int n) {
 #endif
 #define SCORE_TOKENS (SCORE_GROUP / SCORE_ROWS)
 
-static inline __attribute__((always_inline)) void score_tile(const float *q, size_t q_stride, const float *k,
-                                                             size_t stride, int head_dim, float *scores,
-                                                             size_t s_stride) {
+static inline __attribute__((always_inline)) void score_tile(
+    const float *q, size_t q_stride, const float *k, size_t stride, int head_dim, float *scores, size_t s_stride) {
     vf acc[SCORE_GROUP]; /* row r, token t: acc[r * SCORE_TOKENS + t] */
     for (int i = 0; i < SCORE_GROUP; i++) acc[i] = vzero();
     for (int d = 0; d < head_dim; d += TK_VL) {
@@ -186,9 +186,9 @@ static inline __attribute__((always_inline)) void score_tile(const float *q, siz
  * vectors, and the hc * nv sums are independent chains of multiply-adds, which keep the FMA
  * units busy where one vector's few chains would wait on their own latency. Each sum adds
  * its tokens in order, whatever hc is and however a caller splits the tokens into calls. */
-static inline __attribute__((always_inline)) void weighted_sum_nv(const int hc, const int nv, float *o, size_t o_stride,
-                                                                  const float *p, size_t p_stride, const void *v,
-                                                                  size_t voff, size_t stride, int n, int dtype) {
+static inline __attribute__((always_inline)) void weighted_sum_nv(
+    const int hc, const int nv, float *o, size_t o_stride, const float *p, size_t p_stride, const void *v, size_t voff,
+    size_t stride, int n, int dtype) {
     vf acc[WS_ROWS][WS_NV];
     for (int j = 0; j < hc; j++)
         for (int i = 0; i < nv; i++) acc[j][i] = vload(o + (size_t)j * o_stride + i * TK_VL);
@@ -205,20 +205,20 @@ static inline __attribute__((always_inline)) void weighted_sum_nv(const int hc, 
 }
 
 /* weighted_sum_nv over the whole head: hc (literal) vectors, head_dim in passes of WS_NV. */
-static inline __attribute__((always_inline)) void weighted_sum(const int hc, float *o, size_t o_stride, const float *p,
-                                                               size_t p_stride, const void *v, size_t voff,
-                                                               size_t stride, int n, int head_dim, int dtype) {
+static inline __attribute__((always_inline)) void weighted_sum(
+    const int hc, float *o, size_t o_stride, const float *p, size_t p_stride, const void *v, size_t voff, size_t stride,
+    int n, int head_dim, int dtype) {
     int d = 0;
     for (; d + WS_NV * TK_VL <= head_dim; d += WS_NV * TK_VL)
         weighted_sum_nv(hc, WS_NV, o + d, o_stride, p, p_stride, v, voff + d, stride, n, dtype);
-    for (; d < head_dim; d += TK_VL) weighted_sum_nv(hc, 1, o + d, o_stride, p, p_stride, v, voff + d, stride, n, dtype);
+    for (; d < head_dim; d += TK_VL)
+        weighted_sum_nv(hc, 1, o + d, o_stride, p, p_stride, v, voff + d, stride, n, dtype);
 }
 
 /* weighted_sum for any count of vectors, up to `most` (HC or WS_ROWS) at a time. */
-static inline __attribute__((always_inline)) void weighted_sum_any(int count, const int most, float *o, size_t o_stride,
-                                                                   const float *p, size_t p_stride, const void *v,
-                                                                   size_t voff, size_t stride, int n, int head_dim,
-                                                                   int dtype) {
+static inline __attribute__((always_inline)) void weighted_sum_any(
+    int count, const int most, float *o, size_t o_stride, const float *p, size_t p_stride, const void *v, size_t voff,
+    size_t stride, int n, int head_dim, int dtype) {
     for (int j = 0; j < count;) {
         const int hc = count - j < most ? count - j : most;
         float *oj = o + (size_t)j * o_stride;

@@ -45,8 +45,8 @@ static inline void norm_row(void *out, size_t off, const float *buf, const void 
     }
 }
 
-int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps,
-                int dtype, int num_threads) {
+int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps, int dtype,
+                int num_threads) {
     if (rows < 0 || dim <= 0 || dim > (1 << 20)) return 2;
     const int threads = (size_t)rows * dim >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
@@ -94,9 +94,9 @@ int tk_silu_mul(void *out, const void *gu, int rows, int inter, int dtype, int n
 }
 
 /* cos_sin holds cos and sin already rounded to the model dtype. */
-__attribute__((optimize("fp-contract=off"))) int tk_rope(void *qkv, long row_stride, const int64_t *positions,
-                                                          const float *cos_sin, int max_position, int rows,
-                                                          int num_heads, int head_dim, int dtype, int num_threads) {
+__attribute__((optimize("fp-contract=off"))) int tk_rope(
+    void *qkv, long row_stride, const int64_t *positions, const float *cos_sin, int max_position, int rows,
+    int num_heads, int head_dim, int dtype, int num_threads) {
     if (rows < 0 || head_dim <= 0 || head_dim % 2 != 0) return 2;
     for (int r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= max_position) return 3;
@@ -113,7 +113,7 @@ __attribute__((optimize("fp-contract=off"))) int tk_rope(void *qkv, long row_str
                 const vf c = vload(cs + i), s = vload(cs + half + i);
                 const vf x1 = vload_any(qkv, base + i, dtype), x2 = vload_any(qkv, base + half + i, dtype);
                 vf a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s;
-                if (bf) {  /* each product rounded, as the scalar tail below and torch's ops */
+                if (bf) { /* each product rounded, as the scalar tail below and torch's ops */
                     a = vround_bf16(a), b = vround_bf16(b), d = vround_bf16(d), e = vround_bf16(e);
                 }
                 vstore_any(qkv, base + i, a - b, dtype);

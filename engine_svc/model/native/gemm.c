@@ -36,8 +36,8 @@
 #include <stdlib.h>
 
 #include "gemm_bf16.h"
-#include "gemm_tile.h" /* MR, NR, KC and the micro-tile, shared with quant.c */
 #include "gemm_lora.h" /* the LoRA term, on the micro-tile */
+#include "gemm_tile.h" /* MR, NR, KC and the micro-tile, shared with quant.c */
 #include "tandem_kernels.h"
 #include "work_split.h"
 
@@ -59,8 +59,7 @@ void tk_gemm_pack(const void *w, int wdtype, int N, int K, int pairs, void *out,
         for (int k = 0; k < kp; k++)
             for (int j = 0; j < NR; j++) {
                 const int col = q * NR + j;
-                const float x =
-                    col < half && k < K ? load_any(w, (size_t)(part * half + col) * K + k, wdtype) : 0.0f;
+                const float x = col < half && k < K ? load_any(w, (size_t)(part * half + col) * K + k, wdtype) : 0.0f;
                 store_any(out, (size_t)p * kp * NR + (dp ? pair_index(k, j, NR) : (size_t)k * NR + j), x, pdtype);
             }
     }
@@ -197,15 +196,16 @@ static void output_tile(const gemm_args *g, int m0, int m1, int q, float *cs) {
 int tk_gemm(const tk_linear *w, const void *a, int lda, void *c, int ldc, int dtype, int M, float *ws,
             const tk_lora *lora, int num_threads) {
     const int N = w->n, K = w->k, epilogue = w->epilogue, pdtype = w->kind, adtype = dtype;
-    if (w->quantized || M < 0 || N <= 0 || K <= 0 || (epilogue != TK_EPI_NONE && epilogue != TK_EPI_SILU_MUL))
-        return 2;
+    if (w->quantized || M < 0 || N <= 0 || K <= 0 || (epilogue != TK_EPI_NONE && epilogue != TK_EPI_SILU_MUL)) return 2;
     if (M == 0) return 0;
     if (adtype == TK_BF16 && ws == NULL) return 2;
     const int dp = TK_BF16_DP && pdtype == TK_BF16, kp = panel_k(K, pdtype);
     if (dp && adtype != TK_BF16) return 2;
     gemm_args g = {
         .a = adtype == TK_BF16 ? (const void *)ws : a,
-        .lda = dp ? kp : adtype == TK_BF16 ? K : lda,
+        .lda = dp                  ? kp
+               : adtype == TK_BF16 ? K
+                                   : lda,
         .dp = dp,
         .panels = (const char *)w->w,
         .pdtype = pdtype,
@@ -268,7 +268,8 @@ int tk_gemm(const tk_linear *w, const void *a, int lda, void *c, int ldc, int dt
             }
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m += MR)
-                if (adtype != TK_BF16 || buf != NULL) lora_down_rows(lora, a, lda, adtype, K, m, m + MR < M ? m + MR : M, buf);
+                if (adtype != TK_BF16 || buf != NULL)
+                    lora_down_rows(lora, a, lda, adtype, K, m, m + MR < M ? m + MR : M, buf);
             free(buf);
         }
         int t, i;

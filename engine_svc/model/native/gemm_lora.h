@@ -58,12 +58,12 @@ static inline __attribute__((always_inline)) void lora_down_tile(
         for (int v = 0; v < nv; v++) vstore(xa + (size_t)r * R + v * TK_VL, acc[r][v]);
 }
 
-#define LORA_DOWN_NV(mr, nv, ...)                                  \
-    switch (nv) {                                                  \
-    case 4: lora_down_tile(mr, 4, __VA_ARGS__); break;             \
-    case 3: lora_down_tile(mr, 3, __VA_ARGS__); break;             \
-    case 2: lora_down_tile(mr, 2, __VA_ARGS__); break;             \
-    default: lora_down_tile(mr, 1, __VA_ARGS__); break;            \
+#define LORA_DOWN_NV(mr, nv, ...)                       \
+    switch (nv) {                                       \
+    case 4: lora_down_tile(mr, 4, __VA_ARGS__); break;  \
+    case 3: lora_down_tile(mr, 3, __VA_ARGS__); break;  \
+    case 2: lora_down_tile(mr, 2, __VA_ARGS__); break;  \
+    default: lora_down_tile(mr, 1, __VA_ARGS__); break; \
     }
 
 /* cs [mr][NR] += A[0..mr)[0..kc) @ panel, mr <= MR (gemm_tile.h's micro-tile; an adapter's

@@ -35,8 +35,8 @@ static inline int tile_rows(int rows, int tiles) { return rows / tiles; }
  * decode sizes reached ~55% of the in-cache rate without it). With prefetch 0 (a literal),
  * none: the panel is in L1 already. */
 static inline __attribute__((always_inline)) void micro_tile(
-    const int mr, const float *a, int lda, const void *panel, int pdtype, int kc, float *cs, int first,
-    const char *pf, const int prefetch) {
+    const int mr, const float *a, int lda, const void *panel, int pdtype, int kc, float *cs, int first, const char *pf,
+    const int prefetch) {
     vf acc[MR][2];
     for (int r = 0; r < mr; r++) {
         acc[r][0] = first ? vzero() : vload(cs + r * NR);

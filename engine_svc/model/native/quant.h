@@ -56,7 +56,6 @@ typedef struct {
     const float *xsum; /* [M][ng]: each row's sum over each group of K (alg_panel, with mins) */
 } qargs;
 
-
 static inline vf vload_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -134,8 +133,7 @@ typedef void (*block_fn)(const qargs *a, const xquant *xq, int m0, int rows, int
 
 /* quant.c: the result of output tile q, and a wide product's work items (row block, tile). */
 TK_INTERNAL void tkq_store_tile(const qargs *a, int m0, int rows, int q, float *cs, const float *up);
-TK_INTERNAL int tkq_run_items(const qargs *a, const xquant *xq, block_fn block, int mc, size_t buf_bytes,
-                              int nthreads);
+TK_INTERNAL int tkq_run_items(const qargs *a, const xquant *xq, block_fn block, int mc, size_t buf_bytes, int nthreads);
 
 /* The strategies, each the whole product: 0, or 2 if scratch memory could not be allocated. */
 TK_INTERNAL int tkq_fused(qargs *a, int nthreads); /* M <= FUSED_MAX_ROWS */

@@ -22,12 +22,11 @@
 #define ALG_CHAINS_1 2
 #endif
 
-
 /* cs [mr][NR] = X[0..mr) @ panel p, each k's weights dequantized and used at once. Even and
  * odd k add into separate accumulators (summed at the end), so that a row's chains are not
  * bound by the multiply-add latency; on AVX2 (16 registers) only up to 2 rows. */
-static inline __attribute__((always_inline)) void fused_panel(const int mr, const qargs *a, const float *x, int p,
-                                                              float *cs) {
+static inline __attribute__((always_inline)) void fused_panel(
+    const int mr, const qargs *a, const float *x, int p, float *cs) {
     const int par = mr <= (TK_VL == 16 ? 4 : 2); /* odd k in their own accumulators */
     vf acc[FUSED_ACC_ROWS][2][2];
     for (int r = 0; r < mr; r++)
@@ -70,8 +69,8 @@ static inline __attribute__((always_inline)) void fused_panel(const int mr, cons
  * independent chains a row and half (k mod ch ... mod 2 ch), so that one row's adds are not
  * bound by the multiply-add latency. The result is F.linear's up to the order and grouping
  * of the additions (within 1e-5: tests/engine/test_quant_kernels.py). */
-static inline __attribute__((always_inline)) void alg_panel(const int mr, const int ch, const qargs *a, const float *x,
-                                                            int p, float *cs) {
+static inline __attribute__((always_inline)) void alg_panel(
+    const int mr, const int ch, const qargs *a, const float *x, int p, float *cs) {
     vf tot[ALG_MAX_ROWS][2];
     for (int r = 0; r < mr; r++) tot[r][0] = tot[r][1] = vzero();
     const size_t sb = (size_t)p * a->ng * NR;

@@ -63,7 +63,8 @@ void tkq_quantize_row(const float *x, int K, int group, int kind, int8_t *q, flo
 #else
             if (kind == TK_Q4) v = (vf)_mm256_permutevar8x32_ps((__m256)v, evens_odds);
             const vi qi = (vi)_mm256_cvtps_epi32((__m256)(v * inv));
-            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128((__m256i)qi), _mm256_extracti128_si256((__m256i)qi, 1));
+            const __m128i w =
+                _mm_packs_epi32(_mm256_castsi256_si128((__m256i)qi), _mm256_extracti128_si256((__m256i)qi, 1));
             _mm_storel_epi64((__m128i *)(q + (size_t)g * group + k), _mm_packs_epi16(w, w));
 #endif
             sum += qi;
@@ -150,9 +151,9 @@ static void i8_convert(const qargs *a, int p, int k0, int kc, uint8_t *buf) {
 
 /* cs [mr][NR] += group g's integer sums of rows r .. r + mr, exact until here, scaled:
  * s * sx * sum (minus the bias of 8-bit weights first), plus m * xs for the group's min. */
-static inline __attribute__((always_inline)) void i8_fold(const int mr, const int q8, const int has_min,
-                                                          const qargs *a, const xquant *xq, int r, int p, int g,
-                                                          vi isum[][2], float *cs) {
+static inline __attribute__((always_inline)) void i8_fold(
+    const int mr, const int q8, const int has_min, const qargs *a, const xquant *xq, int r, int p, int g, vi isum[][2],
+    float *cs) {
     const size_t at0 = ((size_t)p * a->ng + g) * NR;
     vf s[2], m[2];
     group_vectors(a->scale, a->sdtype, at0, s);
@@ -174,9 +175,9 @@ static inline void zero_rows(int mr, float *cs) {
 }
 
 /* cs [mr][NR] (=|+=) rows r .. r + mr times the slice k0 .. k0 + kc held in buf. */
-static inline __attribute__((always_inline)) void i8_tile(const int mr, const int q8, const int has_min,
-                                                          const qargs *a, const xquant *xq, int r, int p, int k0,
-                                                          int kc, const uint8_t *buf, float *cs, int first) {
+static inline __attribute__((always_inline)) void i8_tile(
+    const int mr, const int q8, const int has_min, const qargs *a, const xquant *xq, int r, int p, int k0, int kc,
+    const uint8_t *buf, float *cs, int first) {
     if (first) zero_rows(mr, cs);
     const int8_t *xr = xq->q + (size_t)r * a->K + k0;
     int g = k0 / a->group;
@@ -200,9 +201,8 @@ static inline __attribute__((always_inline)) void i8_tile(const int mr, const in
 
 /* Few rows (one micro-tile): cs [mr][NR] = rows r .. r + mr times panel p, the weights taken
  * from the panel to VPDPBUSD in registers, with no buffer between. */
-static inline __attribute__((always_inline)) void i8_tile_direct(const int mr, const int q8, const int has_min,
-                                                                 const qargs *a, const xquant *xq, int r, int p,
-                                                                 float *cs) {
+static inline __attribute__((always_inline)) void i8_tile_direct(
+    const int mr, const int q8, const int has_min, const qargs *a, const xquant *xq, int r, int p, float *cs) {
     zero_rows(mr, cs);
     const uint8_t *qp = a->qs + (size_t)p * a->panel_qbytes;
     const int8_t *xr = xq->q + (size_t)r * a->K;
@@ -246,36 +246,36 @@ static inline __attribute__((always_inline)) void i8_tile_direct(const int mr, c
 /* A literal row count and layout per call (Q8, HAS_MIN: enum constants of the caller): the
  * sums stay in registers, the fold does only what the weight's layout needs. */
 #if I8_MR == 6
-#define I8_SWITCH(rows, TILE)                                                                   \
-    switch (rows) {                                                                             \
-    case 6: TILE(6); break;                                                                     \
-    case 5: TILE(5); break;                                                                     \
-    case 4: TILE(4); break;                                                                     \
-    case 3: TILE(3); break;                                                                     \
-    case 2: TILE(2); break;                                                                     \
-    default: TILE(1); break;                                                                    \
+#define I8_SWITCH(rows, TILE) \
+    switch (rows) {           \
+    case 6: TILE(6); break;   \
+    case 5: TILE(5); break;   \
+    case 4: TILE(4); break;   \
+    case 3: TILE(3); break;   \
+    case 2: TILE(2); break;   \
+    default: TILE(1); break;  \
     }
 #elif I8_MR == 3
-#define I8_SWITCH(rows, TILE)                                                                   \
-    switch (rows) {                                                                             \
-    case 3: TILE(3); break;                                                                     \
-    case 2: TILE(2); break;                                                                     \
-    default: TILE(1); break;                                                                    \
+#define I8_SWITCH(rows, TILE) \
+    switch (rows) {           \
+    case 3: TILE(3); break;   \
+    case 2: TILE(2); break;   \
+    default: TILE(1); break;  \
     }
 #else
 #error "I8_MR is 6 or 3"
 #endif
 #define I8_TILE(n) i8_tile(n, Q8, HAS_MIN, a, xq, r, p, k0, kc, buf, cs, first)
 #define I8_TILE_DIRECT(n) i8_tile_direct(n, Q8, HAS_MIN, a, xq, r, p, cs)
-#define I8_LAYOUT(q8, has_min)                                                                  \
+#define I8_LAYOUT(q8, has_min)                                                                                  \
     static void i8_rows_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, int k0, int kc, \
-                                      const uint8_t *buf, float *cs, int first) {               \
-        enum { Q8 = q8, HAS_MIN = has_min };                                                    \
-        I8_SWITCH(rows, I8_TILE)                                                                \
-    }                                                                                           \
-    static void i8_direct_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, float *cs) { \
-        enum { Q8 = q8, HAS_MIN = has_min };                                                    \
-        I8_SWITCH(rows, I8_TILE_DIRECT)                                                         \
+                                      const uint8_t *buf, float *cs, int first) {                               \
+        enum { Q8 = q8, HAS_MIN = has_min };                                                                    \
+        I8_SWITCH(rows, I8_TILE)                                                                                \
+    }                                                                                                           \
+    static void i8_direct_##q8##has_min(const qargs *a, const xquant *xq, int r, int rows, int p, float *cs) {  \
+        enum { Q8 = q8, HAS_MIN = has_min };                                                                    \
+        I8_SWITCH(rows, I8_TILE_DIRECT)                                                                         \
     }
 I8_LAYOUT(0, 0)
 I8_LAYOUT(0, 1)

@@ -23,7 +23,7 @@
 
 #define TK_API_VERSION 2
 
-enum { TK_F32 = 0, TK_BF16 = 1, TK_F16 = 2 }; /* dtype codes; TK_F16: a quantized weight's scales only */
+enum { TK_F32 = 0, TK_BF16 = 1, TK_F16 = 2 };  /* dtype codes; TK_F16: a quantized weight's scales only */
 enum { TK_Q8 = 8, TK_Q4 = 4 };                 /* a quantized weight's bits (quant.c) */
 enum { TK_EPI_NONE = 0, TK_EPI_SILU_MUL = 1 }; /* what a GEMM does to its sums (gemm.c) */
 
@@ -104,11 +104,11 @@ typedef struct {
 
 /* What every layer of tk_decode_stack shares. */
 typedef struct {
-    tk_attn_shape attn;    /* attn.row_stride: the fused qkv's width; attn.dtype: the activations' */
+    tk_attn_shape attn; /* attn.row_stride: the fused qkv's width; attn.dtype: the activations' */
     int hidden;
-    float eps;             /* of both norms */
+    float eps; /* of both norms */
     int max_position;
-    const float *cos_sin;  /* [max_position, head_dim] float32: RoPE's cos | sin */
+    const float *cos_sin; /* [max_position, head_dim] float32: RoPE's cos | sin */
 } tk_stack_shape;
 
 /* -- what a build is ------------------------------------------------------------------- */
@@ -144,8 +144,8 @@ int tk_qgemm(const tk_linear *w, const float *x, long ldx, void *y, long ldy, in
 /* out, x, residual: [rows, dim] contiguous, weight [dim], all of one dtype. With residual
  * (not NULL): residual = x + residual (rounded to dtype), then out = norm(residual) * w;
  * else out = norm(x) * w. Returns 0, 2 on a bad size. */
-int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps,
-                int dtype, int num_threads);
+int tk_rms_norm(void *out, void *residual, const void *x, const void *weight, int rows, int dim, float eps, int dtype,
+                int num_threads);
 
 /* out [rows, inter] = silu(gu[:, :inter]) * gu[:, inter:]; gu [rows, 2 * inter]. Returns 0, 2 on a bad size. */
 int tk_silu_mul(void *out, const void *gu, int rows, int inter, int dtype, int num_threads);

@@ -90,7 +90,7 @@ static inline void vstore_bf16(bf16 *p, vf v) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)hi));
 #else
     __m256i packed = _mm256_packus_epi32((__m256i)hi, (__m256i)hi); /* per 128-bit lane: a0..a3 a0..a3 */
-    packed = _mm256_permute4x64_epi64(packed, 0x08);                 /* low half: a0..a3 a4..a7 */
+    packed = _mm256_permute4x64_epi64(packed, 0x08);                /* low half: a0..a3 a4..a7 */
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 #endif
 }
