@@ -77,16 +77,18 @@ class LoraTerm(ctypes.Structure):
         ("la", _P),  # [S, K, R]: lora_A^T of every slot
         ("lb", _P),  # [S, NP, R, NR]: lora_B^T x scale per weight panel
         ("ranks", _P),  # int32 [S]: ranks each slot uses
-        ("spans", _P),  # int32 [S, NP, 2]: the ranks each weight panel adds
-        ("r", _I),  # R
-        ("np", _I),  # NP
-        ("xa", _P),  # float32 [M, R] workspace
-        ("ldtype", _I),  # la's and lb's dtype code
+        ("spans", _P),  # int32 [S, NP, 2]: the ranks [t0, t1) each weight panel adds
+        ("r", _I),  # R: ranks, a whole number of vectors
+        ("np", _I),
+        ("xa", _P),  # float32 workspace, >= M x R
+        ("ldtype", _I),  # la and lb: float32 or bfloat16
     ]
 
     def for_rows(self, row_slot: torch.Tensor, xa: torch.Tensor) -> LoraTerm:
-        """This step's rows: row_slot int32 [M], xa float32 [M * R] (both contiguous, kept
-        alive by the caller through the call)."""
+        """This term for a step's rows: ``row_slot`` int32 [M] (slots below S, the caller's
+        promise), ``xa`` a float32 workspace of at least M x R; both contiguous."""
+        if xa.numel() < row_slot.shape[0] * self.r:
+            raise ValueError("lora term: the workspace holds fewer than M x R floats")
         self.row_slot, self.xa = row_slot.data_ptr(), xa.data_ptr()
         return self
 
