@@ -42,7 +42,7 @@ class ModelShape:
     def from_model_dir(cls, model_dir: str | Path) -> ModelShape:
         """A Hugging Face directory's config.json, or a GGUF file's (through the directory
         the engine prepares for it)."""
-        from engine_svc.model.gguf_checkpoint import resolve_model_dir
+        from engine_svc.model.load.gguf_checkpoint import resolve_model_dir
 
         config = json.loads((resolve_model_dir(model_dir)[0] / "config.json").read_text())
         num_heads = config["num_attention_heads"]

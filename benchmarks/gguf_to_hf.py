@@ -7,9 +7,9 @@
 ``benchmarks.vs_vllm`` compares engines on one checkpoint; vLLM's CPU build does not load
 the demo's Q4_1 GGUF, so this writes the same weights, dequantized, where both engines read
 them: ``config.json``, ``generation_config.json`` and the tokenizer files come from the
-engine's own GGUF preparation (engine_svc/model/gguf_checkpoint.py: metadata converted by
-gguf_metadata.py, tokenizer by transformers' GGUF converter), the weights from its GGUF
-reader (gguf_weights.py: Hugging Face names, llama.cpp's q/k row permutation undone,
+engine's own GGUF preparation (engine_svc/model/load/gguf_checkpoint.py: metadata converted by
+model/load/gguf_metadata.py, tokenizer by transformers' GGUF converter), the weights from its GGUF
+reader (model/load/gguf_weights.py: Hugging Face names, llama.cpp's q/k row permutation undone,
 blocks dequantized with gguf's reference code) into one ``model.safetensors``. Tied
 embeddings stay tied (no ``lm_head.weight``). Dequantized Q4_1 values are exact in float32,
 so a float32 directory holds the GGUF's weights bit for bit; the engines cast them to
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_svc.model.args import ModelArgs
-from engine_svc.model.gguf_checkpoint import SOURCE_FILE, prepare_gguf_dir
-from engine_svc.model.gguf_weights import read_gguf_tensors
+from engine_svc.model.arch.args import ModelArgs
+from engine_svc.model.load.gguf_checkpoint import SOURCE_FILE, prepare_gguf_dir
+from engine_svc.model.load.gguf_weights import read_gguf_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

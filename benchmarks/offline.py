@@ -122,7 +122,7 @@ def run_hf(args, workload: list[dict], batch_size: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine_svc.model.loader import resolve_dtype
+    from engine_svc.model.load.loader import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()

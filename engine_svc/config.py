@@ -38,7 +38,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_populate: bool = False
     # Start-up bound: on VMs whose fresh memory the host backs slowly, a large pool can take
-    # many seconds to write (kv_memory.py).
+    # many seconds to write (model/attention/kv_memory.py).
     kv_cache_populate_seconds: float = 5.0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from engine_svc.config import EngineConfig
 from engine_svc.grammar_compiler import GrammarCompiler
 from engine_svc.lora_registry import AdapterRegistry, LoraRegistry, NoLoraRegistry
-from engine_svc.model.gguf_checkpoint import resolve_model_dir
+from engine_svc.model.load.gguf_checkpoint import resolve_model_dir
+from engine_svc.model.load.served import keep_step_buffers, return_freed_heap
 from engine_svc.model.lora import LoraAdapter, LoraSlots
 from engine_svc.model.runner import ModelRunner
-from engine_svc.model.served import keep_step_buffers, return_freed_heap
 from engine_svc.outputs import EngineOutput, EngineStats, LoraAdapterInfo, ModelInfo, StepStats
 from engine_svc.sched.admission import AdmissionLimits, check_admission
 from engine_svc.sched.kv_cache import KVCacheManager
@@ -62,7 +62,7 @@ class EngineCore:
             from engine_svc.demo_checkpoint import ensure_demo_checkpoint
 
             model_path = str(ensure_demo_checkpoint())
-        # A GGUF file is served through a prepared directory (model/gguf_checkpoint.py).
+        # A GGUF file is served through a prepared directory (model/load/gguf_checkpoint.py).
         self.model_dir, model_name = resolve_model_dir(model_path)
         self.model_name = config.served_model_name or model_name
         self.device = config.device

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
 from engine_svc.model.lora import LoraAdapter, LoraError, LoraSlots, read_adapter
 from engine_svc.outputs import EngineOutput, LoraAdapterInfo
 from engine_svc.sched.request import Request

@@ -354,9 +354,9 @@ def test_gguf_to_hf_writes_the_gguf_weights_bit_for_bit(smollm2_gguf, tmp_path):
     from safetensors.torch import load_file
 
     from benchmarks.gguf_to_hf import write_hf_dir
-    from engine_svc.model.args import ModelArgs
-    from engine_svc.model.gguf_checkpoint import prepare_gguf_dir
-    from engine_svc.model.gguf_weights import read_gguf_tensors
+    from engine_svc.model.arch.args import ModelArgs
+    from engine_svc.model.load.gguf_checkpoint import prepare_gguf_dir
+    from engine_svc.model.load.gguf_weights import read_gguf_tensors
 
     out = write_hf_dir(smollm2_gguf, tmp_path / "hf")
     prepared = prepare_gguf_dir(smollm2_gguf)
@@ -377,7 +377,7 @@ def test_gguf_to_hf_w8a8_rounds_each_row_to_int8_and_loads_with_int8_activations
     from safetensors.torch import load_file
 
     from benchmarks.gguf_to_hf import to_w8a8, write_hf_dir
-    from engine_svc.model.hf_quantized import quantization_scheme
+    from engine_svc.model.load.hf_quantized import quantization_scheme
 
     out = write_hf_dir(smollm2_gguf, tmp_path / "hf")
     floats = load_file(out / "model.safetensors")

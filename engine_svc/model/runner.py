@@ -13,9 +13,9 @@ still owed. The runner never mutates requests; the scheduler advances their coun
 The runner never imports the scheduler.
 
 Construction, in order (``__init__`` only calls the steps): load the weights while the
-native kernels compile, and put the layers on the backend that ``backend.py`` chooses
+native kernels compile, and put the layers on the backend that ``backends/backend.py`` chooses
 (native / oneDNN / torch, weights packed once); size and allocate the KV cache
-(``kv_memory.py``, a draft model's beside the target's) and the attention workspace.
+(``attention/kv_memory.py``, a draft model's beside the target's) and the attention workspace.
 The sampler is made before the draft model, which draws with it. ``max_model_len`` is
 resolved first, from the config: it sizes what the load builds (the native RoPE table), and
 with the default pool one full-length request must fit the memory available, so a model's
@@ -32,26 +32,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
+from engine_svc.model.arch.llama import Transformer
 from engine_svc.model.attention import AttentionMetadata, AttentionSetup, KVCache, flat_positions, workspace_tokens
-from engine_svc.model.backend import KernelBuild, ModelBackend
-from engine_svc.model.gguf_checkpoint import gguf_source
-from engine_svc.model.hf_quantized import quantization_scheme
-from engine_svc.model.kv_memory import (
+from engine_svc.model.attention.kv_memory import (
     allocate_kv_cache,
     bytes_per_block,
     check_one_request_fits,
     populate_kv_cache,
     size_kv_cache,
 )
-from engine_svc.model.llama import Transformer
-from engine_svc.model.loader import read_config, read_special_token_ids, resolve_dtype
-from engine_svc.model.logits_rows import logits_rows
+from engine_svc.model.backends.backend import KernelBuild, ModelBackend
+from engine_svc.model.backends.threads import ThreadGovernor
+from engine_svc.model.load.gguf_checkpoint import gguf_source
+from engine_svc.model.load.hf_quantized import quantization_scheme
+from engine_svc.model.load.loader import read_config, read_special_token_ids, resolve_dtype
+from engine_svc.model.load.served import load_served_model
 from engine_svc.model.lora import LoraSlots, NoLoraSlots
-from engine_svc.model.sampler import Proposal, Sampler
-from engine_svc.model.served import load_served_model
+from engine_svc.model.sample.logits_rows import logits_rows
+from engine_svc.model.sample.sampler import Proposal, Sampler
 from engine_svc.model.spec import Drafter, DraftModel, NoDraftModel, VerifyRows, attention_rows
-from engine_svc.model.threads import ThreadGovernor
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine_svc.types import SamplingParams
 
@@ -133,7 +133,7 @@ class ModelRunner:
         quantization: str | None,
         activation_quantization: str = "auto",
     ) -> tuple[Transformer, ModelArgs, ModelBackend]:
-        """Weights on the device, their layers on the backend ``backend.py`` chooses."""
+        """Weights on the device, their layers on the backend ``backends/backend.py`` chooses."""
         build = KernelBuild.start(kernels, self.device, self.dtype)  # compiles while the weights load
         return load_served_model(
             model_dir,
@@ -189,7 +189,7 @@ class ModelRunner:
         return LoraSlots(self.model, self.kernels, num_slots=num_slots, max_rank=max_rank)
 
     def _thread_governor(self) -> ThreadGovernor | None:
-        """Thread count per step, by measurement (threads.py); only where tokens do not
+        """Thread count per step, by measurement (backends/threads.py); only where tokens do not
         depend on it: the native kernels, the quantized GEMM among them, never split a sum
         across threads."""
         return ThreadGovernor(torch.get_num_threads()) if self.own_kernels else None
@@ -241,7 +241,7 @@ class ModelRunner:
     def _size_kv_cache(
         self, num_kv_blocks: int | None, kv_cache_bytes: int | None, max_num_seqs: int
     ) -> tuple[int, int]:
-        """(bytes per block, blocks in the pool), by kv_memory.py's rules."""
+        """(bytes per block, blocks in the pool), by attention/kv_memory.py's rules."""
         # A draft model's cache has a block for every one of the target's.
         block_bytes = self._target_block_bytes(self.model_args) + self.drafter.bytes_per_block
         num_blocks = size_kv_cache(

@@ -1,5 +1,5 @@
 """Where the model's arithmetic runs: native / oneDNN / torch, decided in one place, and
-every linear layer on the one that was chosen (engine_svc/model/backend.py)."""
+every linear layer on the one that was chosen (engine_svc/model/backends/backend.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from engine_svc.model import backend as model_backend
-from engine_svc.model.backend import KernelBuild, choose_matmuls, install_backend
-from engine_svc.model.layers import RMSNorm
-from engine_svc.model.loader import load_model
+from engine_svc.model.arch.layers import RMSNorm
+from engine_svc.model.arch.rope import RotaryEmbedding
+from engine_svc.model.backends import backend as model_backend
+from engine_svc.model.backends.backend import KernelBuild, choose_matmuls, install_backend
+from engine_svc.model.backends.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
+from engine_svc.model.backends.packed_linear import PackedLinear, packing_supported
+from engine_svc.model.load.loader import load_model
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.cpu import parse_cpuinfo
-from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
-from engine_svc.model.packed_linear import PackedLinear, packing_supported
-from engine_svc.model.rope import RotaryEmbedding
 from tests.model_factory import make_model_dir
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

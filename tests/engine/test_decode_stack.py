@@ -1,4 +1,4 @@
-"""The decode stack (model/decode_stack.py, native/stack.c) against the layers run one by
+"""The decode stack (model/backends/decode_stack.py, native/stack.c) against the layers run one by
 one: a decode-only step's hidden states bit for bit, on packed float32 and on int8 / int4
 weights, from 1 to 9 rows over blocks in any order; and only where it applies."""
 

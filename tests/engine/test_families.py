@@ -20,10 +20,10 @@ import transformers
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.model.args import ModelArgs
-from engine_svc.model.loader import read_config
-from engine_svc.model.moe import SparseMoE
-from engine_svc.model.native_layers import NativeExperts
+from engine_svc.model.arch.args import ModelArgs
+from engine_svc.model.arch.moe import SparseMoE
+from engine_svc.model.backends.native_layers import NativeExperts
+from engine_svc.model.load.loader import read_config
 from engine_svc.types import FinishReason, SamplingParams
 from tests.family_factory import FAMILIES, VOCAB_SIZE, WINDOW, make_family_dir
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_svc.model.gguf_checkpoint import find_gguf
-from engine_svc.model.gguf_metadata import GGUFError, hf_config, open_gguf
-from engine_svc.model.gguf_weights import _unpermute, read_gguf_tensors
-from engine_svc.model.llama import ModelArgs
-from engine_svc.model.loader import build_model, load_model
+from engine_svc.model.arch.llama import ModelArgs
+from engine_svc.model.load.gguf_checkpoint import find_gguf
+from engine_svc.model.load.gguf_metadata import GGUFError, hf_config, open_gguf
+from engine_svc.model.load.gguf_weights import _unpermute, read_gguf_tensors
+from engine_svc.model.load.loader import build_model, load_model
 from tests.model_factory import make_model_dir
 
 _HF_TO_GGUF = {

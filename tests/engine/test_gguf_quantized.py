@@ -18,15 +18,15 @@ from torch import nn
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.model.gguf_metadata import hf_config, open_gguf
-from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quantized_linears
-from engine_svc.model.gguf_weights import read_gguf_tensors
-from engine_svc.model.llama import ModelArgs
-from engine_svc.model.loader import build_model
+from engine_svc.model.arch.llama import ModelArgs
+from engine_svc.model.backends.quantized_embeddings import QuantizedEmbedding, QuantizedHead
+from engine_svc.model.backends.quantized_layers import QuantizedLinear
+from engine_svc.model.load.gguf_metadata import hf_config, open_gguf
+from engine_svc.model.load.gguf_quantized import read_quantized_embeddings, read_quantized_linears
+from engine_svc.model.load.gguf_weights import read_gguf_tensors
+from engine_svc.model.load.loader import build_model
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.quant import quantize_activations
-from engine_svc.model.quantized_embeddings import QuantizedEmbedding, QuantizedHead
-from engine_svc.model.quantized_layers import QuantizedLinear
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import _assert_same_or_near_tie, _prompts
 from tests.engine.test_gguf_loading import _gguf_name, _llama_cpp_permute, hf_config_keys

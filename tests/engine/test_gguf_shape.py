@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_svc.model.gguf_metadata import GGUFError, hf_config, open_gguf, read_shape
-from engine_svc.model.gguf_weights import read_gguf_tensors
-from engine_svc.model.llama import ModelArgs
+from engine_svc.model.arch.llama import ModelArgs
+from engine_svc.model.load.gguf_metadata import GGUFError, hf_config, open_gguf, read_shape
+from engine_svc.model.load.gguf_weights import read_gguf_tensors
 from tests.gguf_factory import write_tiny_gguf
 
 LIES = {

@@ -32,7 +32,7 @@ def big_schema(tag: str, num_fields: int = 700) -> StructuredOutput:
 
 @pytest.fixture(scope="module")
 def setup(demo_model_dir):
-    from engine_svc.model.loader import read_special_token_ids
+    from engine_svc.model.load.loader import read_special_token_ids
 
     _, eos = read_special_token_ids(demo_model_dir)
     return LLGuidanceBackend.from_model_dir(demo_model_dir, 2048, eos), eos

@@ -18,11 +18,11 @@ from torch import nn
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.model.loader import quantized_linears
+from engine_svc.model.backends.quantized_layers import QuantizedLinear
+from engine_svc.model.load.loader import quantized_linears
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.kernels import INT8_ACTIVATION_MAX_GROUP
 from engine_svc.model.native.quant import quantize_activations, quantize_int8, with_groups_of_at_most
-from engine_svc.model.quantized_layers import QuantizedLinear
 from engine_svc.types import SamplingParams
 from tests.engine.test_engine_vs_transformers import _assert_same_or_near_tie, _prompts
 from tests.model_factory import load_hf_model, make_model_dir

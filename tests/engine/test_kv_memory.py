@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_svc.model import kv_memory
-from engine_svc.model.kv_memory import (
+from engine_svc.model.attention import kv_memory
+from engine_svc.model.attention.kv_memory import (
     allocate_kv_cache,
     bytes_per_block,
     default_num_kv_blocks,
@@ -36,13 +36,13 @@ def test_enough_for_every_running_request_at_full_length(monkeypatch):
 
 
 def test_capped_by_the_memory_available(monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="engine_svc.model.kv_memory"):
+    with caplog.at_level(logging.INFO, logger="engine_svc.model.attention.kv_memory"):
         assert blocks(monkeypatch, 500 * MiB) == 200  # 40% of 500 MiB
     assert "capped at 40% of the 500.0 MiB available" in caplog.text
 
 
 def test_never_below_one_full_length_request(monkeypatch, caplog):
-    with caplog.at_level(logging.WARNING, logger="engine_svc.model.kv_memory"):
+    with caplog.at_level(logging.WARNING, logger="engine_svc.model.attention.kv_memory"):
         assert blocks(monkeypatch, 100 * MiB) == 64  # 1024 tokens need 64 blocks, more than 40% of 100 MiB
     assert "allocating it anyway" in caplog.text
 
@@ -148,7 +148,7 @@ def test_zeroed_cpu_memory_is_private_without_huge_pages():
     flags = _smaps_flags(cache.data_ptr())
     assert "sh" not in flags  # private: a shared anonymous map is shmem
     # 4 KiB pages: faulted lazily they cost a step less than 2 MiB ones, and memory the host
-    # has not backed yet took far longer to populate in 2 MiB pages (kv_memory.py)
+    # has not backed yet took far longer to populate in 2 MiB pages (model/attention/kv_memory.py)
     assert "hg" not in flags
     if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
         assert "nh" in flags  # MADV_NOHUGEPAGE: not even where THP's mode is "always"
@@ -183,7 +183,7 @@ def test_the_flags_choose_the_pool_size_before_the_default(monkeypatch, caplog):
     assert size(monkeypatch, num_kv_blocks=7, kv_cache_bytes=100 * MiB) == 7  # blocks win over bytes
     assert size(monkeypatch, kv_cache_bytes=100 * MiB + 5) == 100  # whole blocks only
     assert size(monkeypatch) == 512  # neither: the default (8 requests x 64 blocks)
-    with caplog.at_level(logging.WARNING, logger="engine_svc.model.kv_memory"):
+    with caplog.at_level(logging.WARNING, logger="engine_svc.model.attention.kv_memory"):
         assert size(monkeypatch, num_kv_blocks=10) == 10
     assert "KV cache holds 160 tokens, less than max_model_len 1024" in caplog.text
 

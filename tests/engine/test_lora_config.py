@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
 from engine_svc.model.lora import LoraError, read_adapter
 from engine_svc.model.lora.adapter import TARGETS
 from tests.lora_factory import load_peft_model, make_adapter

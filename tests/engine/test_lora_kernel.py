@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_svc.model.backends.native_layers import NativeLinear
 from engine_svc.model.lora.adapter import LoraAdapter, LoraPart
 from engine_svc.model.lora.slots import LoraBatch, LoraLinear, LoraStep
 from engine_svc.model.native import NativeKernels, build, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
-from engine_svc.model.native_layers import NativeLinear
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 

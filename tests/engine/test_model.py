@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from engine_svc.model import runner as model_runner
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
 from engine_svc.model.attention import AttentionMetadata
-from engine_svc.model.loader import load_model
+from engine_svc.model.load.loader import load_model
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import ScheduledRequest, SchedulerOutput
 from engine_svc.sched.request import Request
@@ -373,7 +373,7 @@ def test_loading_does_not_import_torch_dynamo(demo_model_dir):
     """Start-up: arithmetic on the meta device (random init, buffers) runs torch's Python
     reference ops, which import torch._dynamo, seconds of start-up a server never uses."""
     code = (
-        "import sys; from engine_svc.model.loader import load_model; "
+        "import sys; from engine_svc.model.load.loader import load_model; "
         "model, _ = load_model(sys.argv[1], 'cpu', 'float32'); "
         "assert model.embed_tokens.weight.device.type == 'cpu'; "
         "print('torch._dynamo' in sys.modules)"

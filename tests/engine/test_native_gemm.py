@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.model.backends.packed_linear import PackedLinear, pack_linears, packing_supported
 from engine_svc.model.native import NativeKernels
-from engine_svc.model.packed_linear import PackedLinear, pack_linears, packing_supported
 from tests.engine.native_builds import DTYPES, RUNNABLE, _close, session_build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")

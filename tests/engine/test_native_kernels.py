@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_svc.model.layers import RMSNorm
+from engine_svc.model.arch.layers import RMSNorm
+from engine_svc.model.arch.rope import RotaryEmbedding
 from engine_svc.model.native import BuildError
 from engine_svc.model.native.cpu import ISA_BUILDS, parse_cpuinfo
-from engine_svc.model.rope import RotaryEmbedding
 from tests.engine.native_builds import DTYPES, RUNNABLE, _close, session_build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -86,7 +86,7 @@ def test_dispatch_follows_the_cpu_flags(cpuinfo, isa, native_bf16):
 
 @pytest.mark.parametrize("cpuinfo,dtype", [(ZEN3, torch.float32), (ZEN4, torch.bfloat16), (SPR, torch.bfloat16)])
 def test_dtype_auto_follows_the_cpu(monkeypatch, caplog, cpuinfo, dtype):
-    from engine_svc.model import loader
+    from engine_svc.model.load import loader
 
     monkeypatch.setattr(loader, "cpu_features", lambda: parse_cpuinfo(cpuinfo))
     with caplog.at_level("INFO", logger=loader.__name__):

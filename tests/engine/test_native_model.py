@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from engine_svc.model.backend import uses_native_kernels
+from engine_svc.model.backends.backend import uses_native_kernels
 from engine_svc.model.runner import ModelRunner
 from engine_svc.outputs import ScheduledRequest
 from engine_svc.sched.request import Request

@@ -1,4 +1,4 @@
-"""The embedding and the LM head on quantized blocks (quantized_embeddings.py): lookups give
+"""The embedding and the LM head on quantized blocks (model/backends/quantized_embeddings.py): lookups give
 exactly the dequantized rows, from the blocks or from a tied head's panels; the head gives
 F.linear on the dequantized weight at every row count, on its quantized path for narrow
 steps and its float one beyond while it keeps one; the float head is kept only where the
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.model.backends.native_layers import NativeLinear
+from engine_svc.model.backends.quantized_embeddings import NARROW_ROWS, QuantizedEmbedding, QuantizedHead
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.quant import quantize_int4, quantize_int8
-from engine_svc.model.native_layers import NativeLinear
-from engine_svc.model.quantized_embeddings import NARROW_ROWS, QuantizedEmbedding, QuantizedHead
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
+from engine_svc.model.backends.quantized_layers import QuantizedLinear, quantize
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.quant import quantize_activations
-from engine_svc.model.quantized_layers import QuantizedLinear, quantize
 from engine_svc.types import FinishReason, SamplingParams
 from tests.engine.test_engine_vs_transformers import _assert_same_or_near_tie, _prompts
 from tests.model_factory import load_hf_model, make_model_dir

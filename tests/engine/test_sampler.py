@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine_svc.model.sampler import Sampler
+from engine_svc.model.sample.sampler import Sampler
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams
 
@@ -439,7 +439,7 @@ def test_argmax_rows_is_argmax_on_ties_nan_and_sliced_rows(threads):
     """Greedy ids come from ``max``'s reduction, faster than ``argmax``'s: the same first
     maximum on rows full of ties, with NaN and -inf in them, on a column slice of wider
     logits (the padded vocabulary), at any thread count."""
-    from engine_svc.model.sampler_stages import argmax_rows
+    from engine_svc.model.sample.sampler_stages import argmax_rows
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

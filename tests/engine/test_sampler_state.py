@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_svc.model import sampler_stages as stages
-from engine_svc.model.sampler_state import SamplerState
+from engine_svc.model.sample import sampler_stages as stages
+from engine_svc.model.sample.sampler_state import SamplerState
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams
 

@@ -16,8 +16,8 @@ import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.model.gguf_checkpoint import resolve_model_dir
-from engine_svc.model.gguf_metadata import field_value, open_gguf
+from engine_svc.model.load.gguf_checkpoint import resolve_model_dir
+from engine_svc.model.load.gguf_metadata import field_value, open_gguf
 from engine_svc.types import SamplingParams
 from frontend_svc.text.tokenizer import Tokenizer
 

@@ -291,7 +291,7 @@ def test_draft_rows_sample_as_if_the_drafts_were_output(monkeypatch):
     request that really holds those tokens, on the same logits."""
     import torch
 
-    from engine_svc.model.sampler import Sampler
+    from engine_svc.model.sample.sampler import Sampler
     from engine_svc.model.spec import PositionView
 
     vocab = 16

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.demo_model import VOCAB_SIZE as DEMO_VOCAB
-from engine_svc.model.sampler_stages import exponential_race, rejection_sample
+from engine_svc.model.sample.sampler_stages import exponential_race, rejection_sample
 from engine_svc.sched.spec import SpeculativeConfig
 from engine_svc.types import FinishReason, SamplingParams
 from tests.engine.test_spec_decode import CASES, GREEDY, PATTERN, VOCAB, prompts_of, run, tokens

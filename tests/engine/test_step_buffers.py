@@ -12,7 +12,7 @@ import pytest
 # overlapping lives, all freed by the step's end; then the same again, step after step.
 SCRIPT = """
 import json, resource, torch
-from engine_svc.model.served import keep_step_buffers
+from engine_svc.model.load.served import keep_step_buffers
 
 MiB = 1 << 20
 

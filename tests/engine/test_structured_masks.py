@@ -10,7 +10,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from engine_svc.model.sampler import Sampler
+from engine_svc.model.sample.sampler import Sampler
 from engine_svc.model.structured import GrammarMasks, LLGuidanceBackend
 from engine_svc.sched.request import Request
 from engine_svc.types import SamplingParams
@@ -19,7 +19,7 @@ from tandem_common.sampling import StructuredOutput
 
 @pytest.fixture(scope="module")
 def setup(demo_model_dir):
-    from engine_svc.model.loader import read_special_token_ids
+    from engine_svc.model.load.loader import read_special_token_ids
 
     _, eos = read_special_token_ids(demo_model_dir)
     backend = LLGuidanceBackend.from_model_dir(demo_model_dir, 2048, eos)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_svc.model import threads
-from engine_svc.model.threads import MAX_INTERVAL, ThreadGovernor
+from engine_svc.model.backends import threads
+from engine_svc.model.backends.threads import MAX_INTERVAL, ThreadGovernor
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@
                                 alpha_pattern, bias "none", target_modules
     adapter_model.safetensors   base_model.model.model.layers.{i}.{self_attn,mlp}.{x}_proj.lora_{A,B}.weight
 
-Each target maps onto one part of our fused projections (loader.py fuses the base weights
+Each target maps onto one part of our fused projections (load/loader.py fuses the base weights
 the same way), so an adapter's q, k and v terms all add to the one ``qkv_proj`` GEMM::
 
     self_attn.{q,k,v}_proj -> attn.qkv_proj parts 0, 1, 2    mlp.{gate,up}_proj -> mlp.gate_up_proj parts 0, 1
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
 from engine_svc.model.lora.patterns import PatternError, Patterns
 
 CONFIG_FILE = "adapter_config.json"

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine_svc.model.llama import Transformer
+from engine_svc.model.arch.llama import Transformer
+from engine_svc.model.backends.native_layers import NativeLinear
+from engine_svc.model.backends.quantized_layers import QuantizedLinear
 from engine_svc.model.lora.adapter import NUM_PARTS, LoraAdapter, module_shapes
 from engine_svc.model.native import NativeKernels
-from engine_svc.model.native_layers import NativeLinear
-from engine_svc.model.quantized_layers import QuantizedLinear
 from engine_svc.outputs import ScheduledRequest
 
 logger = logging.getLogger(__name__)

@@ -243,7 +243,7 @@ class NativeKernels:
         self, layers: ctypes.Array[Layer], shape: StackShape, rows: DecodeRows, x: torch.Tensor,
         residual: torch.Tensor, ws: torch.Tensor,
     ) -> int:  # fmt: skip
-        """``tk_decode_stack`` (stack.c) as it is: its caller (``model/decode_stack.py``)
+        """``tk_decode_stack`` (stack.c) as it is: its caller (``model/backends/decode_stack.py``)
         builds and checks the layer table, the rows and the buffers they point at."""
         return self._lib.tk_decode_stack(
             ctypes.byref(layers), len(layers), ctypes.byref(shape), ctypes.byref(rows), x.data_ptr(),

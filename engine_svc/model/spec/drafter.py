@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_svc.model.attention import AttentionSetup, KVCache, flat_positions, workspace_tokens
-from engine_svc.model.backend import KernelBuild
-from engine_svc.model.gguf_checkpoint import resolve_model_dir
-from engine_svc.model.kv_memory import allocate_kv_cache, bytes_per_block
-from engine_svc.model.sampler import Proposal, Sampler
-from engine_svc.model.sampler_stages import argmax_rows, is_greedy
-from engine_svc.model.served import load_served_model
+from engine_svc.model.attention.kv_memory import allocate_kv_cache, bytes_per_block
+from engine_svc.model.backends.backend import KernelBuild
+from engine_svc.model.load.gguf_checkpoint import resolve_model_dir
+from engine_svc.model.load.served import load_served_model
+from engine_svc.model.sample.sampler import Proposal, Sampler
+from engine_svc.model.sample.sampler_stages import argmax_rows, is_greedy
 from engine_svc.model.spec.drafting import TargetStep
 from engine_svc.model.spec.vocab import check_same_vocabulary
 from engine_svc.outputs import MODEL_DRAFT, ModelRunnerOutput, ScheduledRequest
@@ -87,7 +87,7 @@ class DraftModel:
         all_threads: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         """``sampler``: the target's, whose row transforms draw the drafts of sampled rows;
-        ``all_threads``: the passes run on every thread (``threads.py``: the step's count is
+        ``all_threads``: the passes run on every thread (``backends/threads.py``: the step's count is
         chosen for the step's rows, not for theirs)."""
         model_dir, self.name = resolve_model_dir(model_path)
         build = KernelBuild.start(kernels, device, dtype)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection
 from typing import Protocol
 
 from engine_svc.model.attention import KVCache
-from engine_svc.model.sampler import Proposal
+from engine_svc.model.sample.sampler import Proposal
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest
 
 # The target's step over a batch, with the draft model's distributions for its drafts, by

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine_svc.model.sampler import Proposal, SamplerOutput
+from engine_svc.model.sample.sampler import Proposal, SamplerOutput
 from engine_svc.outputs import ModelRunnerOutput, ScheduledRequest
 from engine_svc.types import Logprob, RequestView, SamplingParams
 

@@ -24,10 +24,35 @@ supported.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypedDict
 
-from engine_svc.model.rope_config import rope_config
+from engine_svc.model.arch.rope_config import rope_config
 
-Options = dict[str, object]
+
+class FamilyOptions(TypedDict, total=False):
+    """What a family sets of ``ModelArgs`` beyond the shape every config states (the
+    fields of the same names there, where their meaning and defaults are written)."""
+
+    architecture: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
+    norm_offset: float
+    embed_scale: float | None
+    sandwich_norms: bool
+    attn_scale: float | None
+    rope_theta: float
+    rope_scaling: dict | None
+    sliding_rope_theta: float | None
+    final_logit_softcapping: float | None
+    tie_word_embeddings: bool
 
 
 def _layer_windows(config: dict, *, needs_flag: bool) -> tuple[int | None, ...]:
@@ -50,26 +75,28 @@ def _layer_windows(config: dict, *, needs_flag: bool) -> tuple[int | None, ...]:
     return tuple(int(window) if i >= first else None for i in range(num_layers))
 
 
-def _llama(config: dict) -> Options:
+def _llama(config: dict) -> FamilyOptions:
     bias = bool(config.get("attention_bias", False))
-    return dict(qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+    return FamilyOptions(qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
 
 
-def _mistral(config: dict) -> Options:
-    return dict(sliding_windows=_layer_windows(config, needs_flag=False))
+def _mistral(config: dict) -> FamilyOptions:
+    return FamilyOptions(sliding_windows=_layer_windows(config, needs_flag=False))
 
 
-def _qwen2(config: dict) -> Options:
-    return dict(qkv_bias=True, sliding_windows=_layer_windows(config, needs_flag=True))
+def _qwen2(config: dict) -> FamilyOptions:
+    return FamilyOptions(qkv_bias=True, sliding_windows=_layer_windows(config, needs_flag=True))
 
 
-def _qwen3(config: dict) -> Options:
+def _qwen3(config: dict) -> FamilyOptions:
     bias = bool(config.get("attention_bias", False))
-    return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_windows=_layer_windows(config, needs_flag=True))
+    return FamilyOptions(
+        qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_windows=_layer_windows(config, needs_flag=True)
+    )
 
 
-def _mixtral(config: dict) -> Options:
-    return _mistral(config) | dict(
+def _mixtral(config: dict) -> FamilyOptions:
+    return _mistral(config) | FamilyOptions(
         num_experts=config["num_local_experts"],
         num_experts_per_tok=config["num_experts_per_tok"],
         moe_intermediate_size=config["intermediate_size"],
@@ -77,12 +104,12 @@ def _mixtral(config: dict) -> Options:
     )
 
 
-def _qwen3_moe(config: dict) -> Options:
+def _qwen3_moe(config: dict) -> FamilyOptions:
     num_layers = config["num_hidden_layers"]
     num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
     step = config.get("decoder_sparse_step", 1)
     dense = set(config.get("mlp_only_layers") or [])
-    return _qwen3(config) | dict(
+    return _qwen3(config) | FamilyOptions(
         num_experts=num_experts,
         num_experts_per_tok=config["num_experts_per_tok"],
         moe_intermediate_size=config["moe_intermediate_size"],
@@ -91,7 +118,7 @@ def _qwen3_moe(config: dict) -> Options:
     )
 
 
-def _gemma3(config: dict) -> Options:
+def _gemma3(config: dict) -> FamilyOptions:
     for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if config.get(name):
             raise ValueError(f"{name} = {config[name]!r} is not supported")
@@ -105,7 +132,7 @@ def _gemma3(config: dict) -> Options:
         rope_theta, rope_scaling = rope_config(config)
         sliding_theta = float(config.get("rope_local_base_freq", 10000.0))
     bias = bool(config.get("attention_bias", False))
-    return dict(
+    return FamilyOptions(
         qkv_bias=bias,
         o_bias=bias,
         qk_norm=True,
@@ -122,7 +149,7 @@ def _gemma3(config: dict) -> Options:
     )
 
 
-FAMILIES: dict[str, Callable[[dict], Options]] = {
+FAMILIES: dict[str, Callable[[dict], FamilyOptions]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
@@ -160,7 +187,7 @@ def architecture(config: dict) -> str:
     )
 
 
-def family_options(config: dict) -> Options:
+def family_options(config: dict) -> FamilyOptions:
     """``architecture`` plus the family's ModelArgs options for this config."""
     arch = architecture(config)
-    return {"architecture": arch} | FAMILIES[arch](config)
+    return FamilyOptions(architecture=arch) | FAMILIES[arch](config)

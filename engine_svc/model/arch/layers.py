@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
+from engine_svc.model.arch.rope import StepRope
 from engine_svc.model.attention import AttentionMetadata, KVCache, paged_attention
-from engine_svc.model.rope import StepRope
 
 # config.json's hidden_act -> the function transformers' ACT2FN maps it to.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

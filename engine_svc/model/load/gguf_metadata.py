@@ -43,10 +43,10 @@ and every tensor of a known name must have the shape these numbers give it. The 
 8-16x the largest published models (Llama 3.1 405B: 126 blocks, width 16,384, 128 heads,
 MLP 53,248; Gemma 3: 262,144 tokens, head dim 256), so they refuse only files no
 model has. The context cap is also where positions stop being exact: RoPE multiplies each
-position, as float32, by its frequencies (rope.py, as transformers does), and float32
+position, as float32, by its frequencies (arch/rope.py, as transformers does), and float32
 holds every integer only up to 2^24. The longest published context, Llama 4 Scout's 10M
 tokens, is below it. Within the cap, what a long context costs at start is the runner's
-check (kv_memory.py: one full-length request must fit the memory available).
+check (attention/kv_memory.py: one full-length request must fit the memory available).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_svc.model.sampler_stages import grow_rows, step_seed, to_device
+from engine_svc.model.sample.sampler_stages import grow_rows, step_seed, to_device
 from engine_svc.model.structured import BatchMask, GrammarMasks
 from engine_svc.types import RequestView
 

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from engine_svc.model.gguf_metadata import (
+from engine_svc.model.arch.llama import ModelArgs
+from engine_svc.model.load.gguf_metadata import (
     PERMUTED_QK,
     GGUFError,
     architecture,
@@ -46,7 +47,6 @@ from engine_svc.model.gguf_metadata import (
     open_gguf,
     read_shape,
 )
-from engine_svc.model.llama import ModelArgs
 
 logger = logging.getLogger(__name__)
 

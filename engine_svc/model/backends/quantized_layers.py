@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine_svc.model.layers import MLP
-from engine_svc.model.llama import Transformer
+from engine_svc.model.arch.layers import MLP
+from engine_svc.model.arch.llama import Transformer
 from engine_svc.model.native import NativeKernels
 from engine_svc.model.native.kernels import INT8_ACTIVATION_MAX_GROUP, supports_int8_activations
 from engine_svc.model.native.quant import QuantizedWeight, quantize_int4, quantize_int8
@@ -80,7 +80,7 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
 def install_prequantized_linears(
     model: Transformer, kernels: NativeKernels, weights: dict[str, QuantizedWeight]
 ) -> int:
-    """Swap the linear layers named in ``weights`` (a GGUF's blocks, ``gguf_quantized.py``)
+    """Swap the linear layers named in ``weights`` (a GGUF's blocks, ``load/gguf_quantized.py``)
     for QuantizedLinear layers over them; returns how many."""
     for name, qw in weights.items():
         linear = model.get_submodule(name)

@@ -10,7 +10,7 @@ moving whole rows (each row's groups are its own), and a fused projection's part
 v; gate, up) are stacked, widened to a common layout where their types differ. Layers in
 float types (F32, F16, BF16) are left to the float path. The embeddings and the LM head
 are read apart (``read_quantized_embeddings``): they are not linear layers of the stack,
-and quantized_embeddings.py serves them.
+and backends/quantized_embeddings.py serves them.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from engine_svc.model.gguf_metadata import PERMUTED_QK, architecture, open_gguf
-from engine_svc.model.gguf_weights import _unpermute, hf_name
-from engine_svc.model.llama import ModelArgs
-from engine_svc.model.loader import our_name
+from engine_svc.model.arch.llama import ModelArgs
+from engine_svc.model.load.gguf_metadata import PERMUTED_QK, architecture, open_gguf
+from engine_svc.model.load.gguf_weights import _unpermute, hf_name
+from engine_svc.model.load.loader import our_name
 from engine_svc.model.native.quant import QuantizedWeight, concat_rows, take_rows
 from engine_svc.model.native.quant_gguf import SUPPORTED_TYPES, from_gguf_blocks
 
@@ -65,7 +65,7 @@ def read_quantized_linears(gguf_path: str | Path, args: ModelArgs) -> dict[str, 
 
 def read_quantized_embeddings(gguf_path: str | Path, args: ModelArgs) -> dict[str, QuantizedWeight]:
     """The embedding's and the LM head's blocks as they are, for those of a type the
-    quantized kernels take (quantized_embeddings.py serves them): ``embed_tokens`` from
+    quantized kernels take (backends/quantized_embeddings.py serves them): ``embed_tokens`` from
     ``token_embd.weight``, ``lm_head`` from ``output.weight`` or, where the file has none
     (a tied head), the same object as ``embed_tokens``."""
     tensors = {t.name: t for t in open_gguf(gguf_path).tensors}

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine_svc.model.gguf_metadata import GGUFError, generation_config, hf_config, open_gguf
+from engine_svc.model.load.gguf_metadata import GGUFError, generation_config, hf_config, open_gguf
 from tandem_common.cache import cache_dir
 
 logger = logging.getLogger(__name__)

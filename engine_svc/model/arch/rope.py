@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
 
 # Applied to q and k [num_tokens, heads, hd] before they rotate (Qwen3's per-head norms).
 QKNorm = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -29,7 +29,7 @@ import time
 import torch
 from torch import nn
 
-from engine_svc.model.llama import Transformer
+from engine_svc.model.arch.llama import Transformer
 from engine_svc.model.native import NativeKernels
 from engine_svc.model.native.quant import QuantizedWeight
 from engine_svc.model.native.quant_pack import PackedQuantWeight

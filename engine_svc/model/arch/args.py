@@ -9,9 +9,10 @@ cannot honour is refused with a ``ValueError`` that names it, before any weight 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from engine_svc.model.families import family_options
-from engine_svc.model.rope_config import rope_config
+from engine_svc.model.arch.families import family_options
+from engine_svc.model.arch.rope_config import rope_config
 
 # config.json's hidden_act -> the gated MLP's activation (layers.py ACTIVATIONS).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -100,7 +101,8 @@ class ModelArgs:
                 or 1.0
             ),
         )
-        return cls(**(base | family_options(config)))
+        family: dict[str, Any] = dict(family_options(config))  # typed where it is written (FamilyOptions)
+        return cls(**(base | family))
 
     @property
     def rotary_dim(self) -> int:

@@ -11,7 +11,7 @@
 
 Each token's sum over its experts therefore runs in the order transformers adds them.
 ``run_expert`` is ``F.linear`` here; with the native kernels, each expert's packed GEMMs
-(native_layers.py: gate/up fused with SiLU-and-multiply).
+(backends/native_layers.py: gate/up fused with SiLU-and-multiply).
 Weights are stacked per layer: gate/up ``[num_experts, 2 * moe_intermediate, hidden]``
 and down ``[num_experts, hidden, moe_intermediate]``.
 """
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_svc.model.args import ModelArgs
-from engine_svc.model.layers import ACTIVATIONS
+from engine_svc.model.arch.args import ModelArgs
+from engine_svc.model.arch.layers import ACTIVATIONS
 
 # (expert, x [count, hidden]) -> that expert's MLP output [count, hidden], before the router weight.
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]

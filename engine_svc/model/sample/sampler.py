@@ -7,9 +7,9 @@
 
 The sampler decides which stages a batch needs and turns per-row parameters into tensors
 once per call; the stages themselves are pure tensor functions
-(``engine_svc/model/sampler_stages.py``), and everything kept per request between steps
+(``engine_svc/model/sample/sampler_stages.py``), and everything kept per request between steps
 (token counts, seeded generators, logit_bias and min_tokens tensors, grammar matchers)
-lives in ``SamplerState`` (``engine_svc/model/sampler_state.py``), dropped by ``forget``.
+lives in ``SamplerState`` (``engine_svc/model/sample/sampler_state.py``), dropped by ``forget``.
 A stage that no row uses costs nothing (an all-greedy batch without penalties is one
 argmax). The order and semantics follow vLLM so results can be compared. Parameter
 tensors travel host -> device without waiting, so the only host sync is reading the
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_svc.model import sampler_stages as stages
-from engine_svc.model.sampler_state import SamplerState
+from engine_svc.model.sample import sampler_stages as stages
+from engine_svc.model.sample.sampler_state import SamplerState
 from engine_svc.model.structured import BatchMask
 from engine_svc.types import Logprob, RequestError, RequestView
 

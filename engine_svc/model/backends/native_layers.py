@@ -23,11 +23,11 @@ import logging
 import torch
 from torch import nn
 
-from engine_svc.model.layers import MLP, RMSNorm
-from engine_svc.model.llama import Transformer
-from engine_svc.model.moe import SparseMoE
+from engine_svc.model.arch.layers import MLP, RMSNorm
+from engine_svc.model.arch.llama import Transformer
+from engine_svc.model.arch.moe import SparseMoE
+from engine_svc.model.arch.rope import QKNorm, RotaryEmbedding, StepRope
 from engine_svc.model.native import NativeKernels, PackedWeight
-from engine_svc.model.rope import QKNorm, RotaryEmbedding, StepRope
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine_svc.model.args import ModelArgs
+from engine_svc.model.arch.args import ModelArgs
+from engine_svc.model.arch.layers import MLP, Attention, RMSNorm
+from engine_svc.model.arch.moe import SparseMoE
+from engine_svc.model.arch.rope import RotaryEmbedding, StepRope
 from engine_svc.model.attention import AttentionMetadata, KVCache
-from engine_svc.model.layers import MLP, Attention, RMSNorm
-from engine_svc.model.moe import SparseMoE
-from engine_svc.model.rope import RotaryEmbedding, StepRope
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ __all__ = ["DecoderLayer", "LayerStack", "ModelArgs", "Transformer"]
 
 
 class LayerStack(Protocol):
-    """Every decoder layer of some steps at once (decode_stack.py)."""
+    """Every decoder layer of some steps at once (backends/decode_stack.py)."""
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool: ...
 
@@ -99,7 +99,7 @@ class Transformer(nn.Module):
         self.rotary: nn.Module = RotaryEmbedding(args.rotary_dim)  # makes each step's StepRope
         # The sliding-window layers' own RoPE (Gemma 3's local theta); None: they share ``rotary``.
         self.sliding_rotary: nn.Module | None = None
-        # Every layer of a decode-only step in one native call (decode_stack.py), where the
+        # Every layer of a decode-only step in one native call (backends/decode_stack.py), where the
         # model qualifies; None: the layers run one by one.
         self.decode_stack: LayerStack | None = None
         if args.sliding_rope_theta is not None:

@@ -38,13 +38,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine_svc.model.gguf_checkpoint import gguf_source
-from engine_svc.model.gguf_weights import read_gguf_tensors
-from engine_svc.model.hf_quantized import float_tensors, quantization_scheme, read_quantized_modules
-from engine_svc.model.llama import ModelArgs, Transformer
+from engine_svc.model.arch.llama import ModelArgs, Transformer
+from engine_svc.model.arch.rope import RotaryEmbedding, rope_attention_scaling, rope_inv_freq
+from engine_svc.model.load.gguf_checkpoint import gguf_source
+from engine_svc.model.load.gguf_weights import read_gguf_tensors
+from engine_svc.model.load.hf_quantized import float_tensors, quantization_scheme, read_quantized_modules
 from engine_svc.model.native.cpu import cpu_features
 from engine_svc.model.native.quant import QuantizedWeight, concat_rows
-from engine_svc.model.rope import RotaryEmbedding, rope_attention_scaling, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 

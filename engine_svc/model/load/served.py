@@ -1,6 +1,6 @@
 """A checkpoint loaded for serving: weights read (a GGUF file's quantized blocks, a GPTQ /
 AWQ / compressed-tensors checkpoint's integers kept as they are), layers on the backend
-``backend.py`` chooses. The runner's model and a speculative draft model are both loaded
+``backends/backend.py`` chooses. The runner's model and a speculative draft model are both loaded
 here.
 
     model, args, backend = load_served_model(model_dir, build, kernels="auto", ...)
@@ -13,14 +13,14 @@ import logging
 
 import torch
 
-from engine_svc.model.args import ModelArgs
-from engine_svc.model.backend import KernelBuild, ModelBackend, install_backend
-from engine_svc.model.gguf_checkpoint import gguf_source
-from engine_svc.model.gguf_metadata import close_gguf
-from engine_svc.model.gguf_quantized import read_quantized_embeddings, read_quantized_linears
-from engine_svc.model.hf_quantized import quantization_scheme
-from engine_svc.model.llama import Transformer
-from engine_svc.model.loader import load_model, quantized_linears, read_config
+from engine_svc.model.arch.args import ModelArgs
+from engine_svc.model.arch.llama import Transformer
+from engine_svc.model.backends.backend import KernelBuild, ModelBackend, install_backend
+from engine_svc.model.load.gguf_checkpoint import gguf_source
+from engine_svc.model.load.gguf_metadata import close_gguf
+from engine_svc.model.load.gguf_quantized import read_quantized_embeddings, read_quantized_linears
+from engine_svc.model.load.hf_quantized import quantization_scheme
+from engine_svc.model.load.loader import load_model, quantized_linears, read_config
 from engine_svc.model.native.kernels import INT8_ACTIVATION_MAX_GROUP
 from engine_svc.model.native.quant import QuantizedWeight, with_groups_of_at_most
 
@@ -39,7 +39,7 @@ def load_served_model(
     activation_quantization: str = "auto",
     rope_positions: int | None = None,
 ) -> tuple[Transformer, ModelArgs, ModelBackend]:
-    """Weights on the device, their layers on the backend ``backend.py`` chooses.
+    """Weights on the device, their layers on the backend ``backends/backend.py`` chooses.
     ``build`` is the native kernels' build, started before the weights load so that
     the two overlap; ``quantization`` is ``--quantization``, ``activation_quantization``
     ``--activation-quantization``; ``rope_positions`` the served context (max_model_len),

@@ -1,7 +1,7 @@
 """The sampler's stages as pure tensor functions: no request, no state, no host sync.
 
 Each takes the batch's logits (or probabilities) and per-row parameters already on the
-device, and returns or writes the result; ``engine_svc/model/sampler.py`` decides which
+device, and returns or writes the result; ``engine_svc/model/sample/sampler.py`` decides which
 stages a batch needs and in what order. Row parameters are tensors shaped [rows] or
 [rows, 1] so they broadcast against [rows, vocab].
 """

@@ -25,15 +25,15 @@ import logging
 
 import torch
 
+from engine_svc.model.arch.layers import MLP, Attention
+from engine_svc.model.arch.llama import DecoderLayer, Transformer
 from engine_svc.model.attention import AttentionMetadata, KVCache
 from engine_svc.model.attention.native import NativeDecode
-from engine_svc.model.layers import MLP, Attention
-from engine_svc.model.llama import DecoderLayer, Transformer
+from engine_svc.model.backends.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
+from engine_svc.model.backends.quantized_layers import QuantizedLinear
 from engine_svc.model.native import NativeKernels
 from engine_svc.model.native.api import DTYPE_CODES, AttnShape, DecodeRows, Layer, Linear, StackShape
 from engine_svc.model.native.kernels import KernelError
-from engine_svc.model.native_layers import NativeLinear, NativeRMSNorm, NativeRotary
-from engine_svc.model.quantized_layers import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 

@@ -31,18 +31,18 @@ from typing import Literal
 
 import torch
 
-from engine_svc.model.decode_stack import build_decode_stack
-from engine_svc.model.llama import Transformer
-from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
-from engine_svc.model.native.quant import QuantizedWeight
-from engine_svc.model.native_layers import install_native_layers, install_native_linears
-from engine_svc.model.packed_linear import pack_linears, packing_supported
-from engine_svc.model.quantized_embeddings import install_quantized_embeddings
-from engine_svc.model.quantized_layers import (
+from engine_svc.model.arch.llama import Transformer
+from engine_svc.model.backends.decode_stack import build_decode_stack
+from engine_svc.model.backends.native_layers import install_native_layers, install_native_linears
+from engine_svc.model.backends.packed_linear import pack_linears, packing_supported
+from engine_svc.model.backends.quantized_embeddings import install_quantized_embeddings
+from engine_svc.model.backends.quantized_layers import (
     install_prequantized_linears,
     install_quantized_linears,
     quantize_activations,
 )
+from engine_svc.model.native import NativeKernels, cpu_features, load_kernels
+from engine_svc.model.native.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
