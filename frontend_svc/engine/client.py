@@ -56,6 +56,7 @@ from frontend_svc.engine.channel import (
     tokenizer_digests,
 )
 from frontend_svc.engine.handle import RequestHandle
+from frontend_svc.engine.inflight import InFlight
 from frontend_svc.engine.model_view import EngineModelView
 from frontend_svc.engine.prefix_index import PrefixIndex
 from frontend_svc.engine.wakeups import Wakeups, read_stream
@@ -65,10 +66,10 @@ from frontend_svc.engine.watchdog import (
     Pace,
     ProgressWatchdog,
     Verdict,
+    silence_verdict,
 )
 from frontend_svc.types import (
     EngineLoad,
-    EngineRequestTooLargeError,
     EngineUnavailableError,
     ModelIdentity,
     ModelInfo,
@@ -125,14 +126,12 @@ class EngineClient:
         self._accept = accept
         self._on_change = on_change
         self._index = index
-        self._requests: dict[str, RequestHandle] = {}
+        self._inflight = InFlight(self._progress)
+        self._requests = self._inflight.requests  # the same dict for the client's life
         # Readers to wake once the stream is read, in the order their outputs came (a dict
         # keeps it), so calls are written in the same order every step: no call's tokens
         # wait behind the others' one step and go first the next.
         self._wakeups = Wakeups()
-        # Requests sent that have not produced a token yet -> their prompt tokens to compute.
-        self._unstarted: dict[str, int] = {}
-        self._unstarted_tokens = 0
         self._outbox: asyncio.Queue | None = None
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task | None = None
@@ -164,7 +163,8 @@ class EngineClient:
         once, before the engine reports it; until their first token such requests may be
         counted twice (also as waiting), which errs towards spreading a burst.
         """
-        return self.load.num_waiting_tokens + self.load.num_used_blocks * self.model.block_size + self._unstarted_tokens
+        context_tokens = self.load.num_used_blocks * self.model.block_size
+        return self.load.num_waiting_tokens + context_tokens + self._inflight.unstarted_tokens
 
     @property
     def predicts_prefix_hits(self) -> bool:
@@ -333,12 +333,9 @@ class EngineClient:
                     self._hung = verdict.reason
                     call.cancel()
                     return
-            if silent_s > self._stall_timeout_s:
-                self._hung = (
-                    f"the engine sent nothing and answered no GetLoad for {silent_s:.1f} s with "
-                    f"{len(self._requests)} requests in flight (--engine-stall-timeout-s {self._stall_timeout_s:g}); "
-                    "it is hung"
-                )
+            hung = silence_verdict(silent_s, self._stall_timeout_s, len(self._requests))
+            if hung is not None:
+                self._hung = hung
                 call.cancel()
                 return
             if time.monotonic() - self._last_load_s < LOAD_POLL_S:
@@ -364,8 +361,7 @@ class EngineClient:
         error = EngineUnavailableError(f"engine {self.address}: {verdict.reason}")
         moving = [rid for rid in verdict.request_ids if (h := self._requests.get(rid)) is not None and not h.aborted]
         self.abort(moving)  # should the engine ever read it, it drops them
-        for rid in moving:
-            self._requests[rid].fail(error)  # nothing was streamed: the call retries elsewhere
+        self._inflight.fail(moving, error)
 
     def _set_refused(self, problem: str | None) -> None:
         if problem != self.refused:
@@ -410,39 +406,16 @@ class EngineClient:
         if response.kv_events and self._index is not None:  # blocks first, then the outputs
             self._index.apply(self.address, convert.kv_events(response.kv_events))
         if response.outputs:
-            self._progress.output(running=len(self._requests) > len(self._unstarted))
+            self._progress.output(running=self._inflight.running)
             if self.suspect:
                 self.suspect = False
                 logger.info("engine %s advances requests again", self.address)
-        to_pause = []
-        for o in response.outputs:
-            self._started(o.request_id)
-            handle = self._requests.get(o.request_id)
-            if handle is None:
-                logger.debug("engine %s: output for unknown request %s dropped", self.address, o.request_id)
-                continue
-            out = convert.engine_output(o)
-            if out.finished:
-                del self._requests[o.request_id]
-            if handle.deliver(out):
-                self._wake(handle)
-            if handle.wants_pause:  # its reader lags: the engine holds it until the reader takes its output
-                handle.paused = True
-                to_pause.append(handle.request_id)
+        to_pause = self._inflight.deliver(response.outputs, self._wake, self.address)
         if to_pause and self._outbox is not None:
             self._outbox.put_nowait(convert.pause_requests(to_pause))
 
-    def _started(self, request_id: str) -> None:
-        self._unstarted_tokens -= self._unstarted.pop(request_id, 0)
-        self._progress.started(request_id)
-
     def _fail_all(self, reason: str) -> None:
-        self._progress.clear()
-        self._unstarted.clear()
-        self._unstarted_tokens = 0
-        requests, self._requests = self._requests, {}
-        for handle in requests.values():
-            handle.fail(EngineUnavailableError(reason))
+        self._inflight.fail_all(reason)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -479,20 +452,11 @@ class EngineClient:
             trace_context=trace_context or {},
             lora_name=lora_name,
         )
-        # gRPC fails the whole stream, every request on it, for one message over its limit.
-        size = message.ByteSize()
-        if size > self._max_message_bytes:
-            raise EngineRequestTooLargeError(
-                f"the request is {size} bytes as an engine message, more than the {self._max_message_bytes} "
-                "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
-                "logit_bias entries or stop token ids"
-            )
+        convert.check_size(message, self._max_message_bytes)
         handle = RequestHandle(request_id, wakeup, stream_interval, max_pending_bytes)
-        self._requests[request_id] = handle
+        prefill = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
+        self._inflight.sent(handle, prefill, compiles=params.structured is not None)
         self._outbox.put_nowait(message)
-        self._unstarted[request_id] = len(prompt_token_ids) if num_prefill_tokens is None else num_prefill_tokens
-        self._progress.sent(request_id, compiles=params.structured is not None)
-        self._unstarted_tokens += self._unstarted[request_id]
         return handle
 
     def abort(self, request_ids: list[str], *, stop_string: bool = False) -> None:
@@ -508,7 +472,8 @@ class EngineClient:
             if handle is not None and not handle.aborted:
                 handle.aborted = True
                 ids.append(rid)
-                asyncio.get_running_loop().call_later(ABORT_CONFIRM_TIMEOUT_S, self._forget, handle)
+                forget = self._inflight.forget
+                asyncio.get_running_loop().call_later(ABORT_CONFIRM_TIMEOUT_S, forget, handle, self.address)
         if ids and self._outbox is not None:
             self._outbox.put_nowait(convert.abort_request(ids, stop_string=stop_string))
 
@@ -517,13 +482,6 @@ class EngineClient:
         handle.paused = False
         if not (handle.finished or handle.aborted) and self._outbox is not None:
             self._outbox.put_nowait(convert.resume_requests([handle.request_id]))
-
-    def _forget(self, handle: RequestHandle) -> None:
-        if self._requests.get(handle.request_id) is handle:
-            logger.warning("engine %s never confirmed the abort of %s", self.address, handle.request_id)
-            del self._requests[handle.request_id]
-            self._progress.forget(handle.request_id)
-            self._started(handle.request_id)
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
         """Download the tokenizer files and check each against its sha256 ({} if the engine has none)."""

@@ -12,7 +12,7 @@ knows the engine's protobuf types; everything past it sees plain dataclasses.
 
 from __future__ import annotations
 
-from frontend_svc.types import EngineLoad, EngineOutput, ModelInfo, RequestError
+from frontend_svc.types import EngineLoad, EngineOutput, EngineRequestTooLargeError, ModelInfo, RequestError
 from tandem_common.kv_events import BlocksRemoved, BlocksStored, CacheSnapshot, KvEvent
 from tandem_common.sampling import SamplingParams, StructuredOutput
 from tandem_common.types import ErrorCode, FinishReason, Logprob
@@ -55,6 +55,17 @@ def add_request(
         lora_name=lora_name or "",
     )
     return engine_pb2.StreamRequest(add=add)
+
+
+def check_size(message: engine_pb2.StreamRequest, max_message_bytes: int) -> None:
+    """gRPC fails the whole stream, every request on it, for one message over its limit: refuse it first."""
+    size = message.ByteSize()
+    if size > max_message_bytes:
+        raise EngineRequestTooLargeError(
+            f"the request is {size} bytes as an engine message, more than the {max_message_bytes} "
+            "bytes the engine stream carries (--max-message-bytes); shorten the prompt or send fewer "
+            "logit_bias entries or stop token ids"
+        )
 
 
 def abort_request(request_ids: list[str], *, stop_string: bool = False) -> engine_pb2.StreamRequest:

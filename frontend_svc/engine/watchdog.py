@@ -209,3 +209,13 @@ class ProgressWatchdog:
         if self._pace_s is None:
             return None
         return self._pace_s * 0.5 ** ((now - self._pace_at) / PACE_HALF_LIFE_S)
+
+
+def silence_verdict(silent_s: float, stall_timeout_s: float, num_requests: int) -> str | None:
+    """Why a session whose engine has said nothing for ``silent_s`` is hung, or None if it is not yet."""
+    if silent_s <= stall_timeout_s:
+        return None
+    return (
+        f"the engine sent nothing and answered no GetLoad for {silent_s:.1f} s with "
+        f"{num_requests} requests in flight (--engine-stall-timeout-s {stall_timeout_s:g}); it is hung"
+    )
