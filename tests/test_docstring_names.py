@@ -8,7 +8,9 @@ Checked, because they can be resolved without guessing (each in backticks):
 * package.module.name under one of our packages: the module exists and defines or
   imports the name (or it is a submodule);
 * a private function called by name, with parentheses: a function or class of that name
-  exists in the tree.
+  exists in the tree;
+* a file named by its path (``engine_svc/model/runner.py``, ``spec/layout.py``) or by its
+  name alone (``watchdog.py``): a file in the tree has that path, or ends with it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ PACKAGES = ("engine_svc", "frontend_svc", "tandem_common", "tests", "benchmarks"
 _DOTTED = re.compile(r"``?([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+)(?:\(\))?``?")
 _PRIVATE_CALL = re.compile(r"``?(_[a-z]\w*)\(\)``?")
 _MESSAGE = re.compile(r"\b(?:message|enum)\s+(\w+)")
+# A source or document file of the tree: a word, optionally after folders, with one of these suffixes.
+# Files of other projects the text cites (llama.cpp's converter, glibc's header, PEFT's module table).
+OUTSIDE_FILES = {"convert_hf_to_gguf.py", "malloc.h", "peft/utils/other.py"}
+_FILE = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[A-Za-z_][\w-]*\.(?:py|c|h|proto|md|yaml|jsonl|toml))(?![\w/])")
 
 
 def _sources() -> list[Path]:
@@ -53,6 +59,11 @@ class _Tree:
         self.callables: set[str] = set()
         self.messages = {m for p in ROOT.glob("protos/**/*.proto") for m in _MESSAGE.findall(p.read_text())}
         self.parsed: list[tuple[Path, ast.Module, str]] = []
+        self.files = {
+            p.relative_to(ROOT).as_posix()
+            for p in ROOT.rglob("*")
+            if p.is_file() and not {"node_modules", ".git", ".venv"} & set(p.relative_to(ROOT).parts)
+        }
         for path in _sources():
             source = path.read_text()
             tree = ast.parse(source)
@@ -65,6 +76,9 @@ class _Tree:
                 if isinstance(node, ast.ClassDef):
                     bases = [b.id if isinstance(b, ast.Name) else "?" for b in node.bases]
                     self.classes[node.name] = (_members(node), bases)
+
+    def has_file(self, path: str) -> bool:
+        return path in OUTSIDE_FILES or path in self.files or any(f.endswith("/" + path) for f in self.files)
 
     def has_member(self, cls: str, member: str, depth: int = 0) -> bool | None:
         """True / False, or None when a base lies outside the tree (cannot tell)."""
@@ -128,4 +142,5 @@ def test_docstrings_and_comments_name_code_that_exists():
                 elif head in PACKAGES and not tree.resolves(dotted):
                     stale.append(f"{where}: {dotted}")
             stale += [f"{where}: {name}()" for name in _PRIVATE_CALL.findall(text) if name not in tree.callables]
+            stale += [f"{where}: {name}" for name in _FILE.findall(text) if not tree.has_file(name)]
     assert not stale, "docstrings or comments name code that does not exist:\n" + "\n".join(stale)
