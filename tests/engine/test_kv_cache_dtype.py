@@ -18,9 +18,9 @@ from engine_svc.model.native import NativeKernels, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.model.native.kernels import KernelError
 from engine_svc.types import SamplingParams
+from tests.engine.model.native.test_native_kernels import _caches
 from tests.engine.native_builds import session_build
 from tests.engine.test_engine_vs_transformers import TIE_EPS, _prompts
-from tests.engine.test_native_kernels import _caches
 from tests.model_factory import load_hf_model, make_model_dir
 
 NUM_NEW = 10

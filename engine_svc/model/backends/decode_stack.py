@@ -9,7 +9,7 @@ A decode step at small batch is a few milliseconds of arithmetic split into some
 (per layer a norm, four linear layers, RoPE, the K/V write, attention), and at batch 1 the
 Python around them costs about as much as the kernels. ``tk_decode_stack`` calls the same
 kernels with the same arguments in the same order, so its output is bit for bit the
-module path's (tests/engine/test_decode_stack.py).
+module path's (tests/engine/model/backends/test_decode_stack.py).
 
 It takes what its C code implements and nothing else: Llama-shaped layers (pre-norm, fused
 qkv, full RoPE, no q/k norm, no sliding window, a SiLU-and-multiply MLP) on the native

@@ -12,7 +12,7 @@ Whether the linear layers run here, in oneDNN or in ``F.linear`` is ``backend.py
 decision.
 
 Each replacement computes what the module it replaces computes, with the same roundings
-(tests/engine/test_native_kernels.py holds them to that). Attention over the paged cache
+(tests/engine/model/native/test_native_kernels.py holds them to that). Attention over the paged cache
 is chosen per step by ``AttentionMetadata`` (engine_svc/model/attention/).
 """
 

@@ -7,7 +7,7 @@
                  the header's structs, mirrored once each, field for field
     DTYPE_CODES, SCALE_CODES, EPILOGUE_*   its enums
 
-tests/engine/test_native_api.py holds the mirrors and the codes to the header.
+tests/engine/model/native/test_native_api.py holds the mirrors and the codes to the header.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ static inline __attribute__((always_inline)) void fused_panel(
  * and one multiply-add instead of a conversion and two, and the group sums run in ch
  * independent chains a row and half (k mod ch ... mod 2 ch), so that one row's adds are not
  * bound by the multiply-add latency. The result is F.linear's up to the order and grouping
- * of the additions (within 1e-5: tests/engine/test_quant_kernels.py). */
+ * of the additions (within 1e-5: tests/engine/model/native/test_quant_kernels.py). */
 static inline __attribute__((always_inline)) void alg_panel(
     const int mr, const int ch, const qargs *a, const float *x, int p, float *cs) {
     vf tot[ALG_MAX_ROWS][2];

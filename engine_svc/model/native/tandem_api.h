@@ -4,7 +4,7 @@
  * definition against its declaration (and the tests' build, with -Wmissing-prototypes,
  * refuses an exported function that is not declared here). The ctypes side reads the
  * prototypes from this file (api.py) and mirrors each struct once, field for field (checked
- * by tests/engine/test_native_api.py).
+ * by tests/engine/model/native/test_native_api.py).
  *
  * Conventions. Tensors are pointers with a dtype code; sizes are int, strides and offsets
  * that can pass 2^31 long; num_threads comes last. A list of arguments that would run long

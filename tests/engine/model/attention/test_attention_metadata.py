@@ -1,6 +1,6 @@
 """AttentionMetadata: one value per backend for the decode rows and one for the prefill
 chunks, with the index tensors each backend reads (the SDPA layout is held in
-tests/engine/test_model.py::test_attention_metadata_layout)."""
+tests/engine/model/test_model.py::test_attention_metadata_layout)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from engine_svc.model.native import NativeKernels, cpu_features
 from engine_svc.model.native.cpu import ISA_BUILDS, ISA_PREFERENCE
 from engine_svc.model.native.quant import QuantizedWeight, as_int8, quantize_activations, quantize_int4, quantize_int8
+from tests.engine.model.native.test_quant_kernels import _layouts  # every layout kind the weight-only tests take
 from tests.engine.native_builds import session_build
-from tests.engine.test_quant_kernels import _layouts  # every layout kind the weight-only tests take
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 

@@ -271,7 +271,7 @@ def test_abort_between_schedule_and_update_drops_the_runner_output():
 
 
 def test_a_request_that_skipped_admission_and_can_never_fit_is_a_caller_bug():
-    # Admission owns the KV-pool rule (tests/engine/test_admission.py); the scheduler only
+    # Admission owns the KV-pool rule (tests/engine/sched/test_admission.py); the scheduler only
     # refuses to queue a request that could wait for blocks forever.
     s = make_scheduler(num_blocks=4)
     with pytest.raises(ValueError, match="skipped admission"):

@@ -12,7 +12,7 @@ from engine_svc.sched.kv_cache import KVCacheManager
 from engine_svc.sched.lora import LoraStepLimit
 from engine_svc.sched.scheduler import Scheduler
 from tandem_common.block_hash import hash_blocks
-from tests.engine.test_scheduler import BS, make_request, step
+from tests.engine.sched.test_scheduler import BS, make_request, step
 
 
 def _scheduler(max_loras: int) -> Scheduler:

@@ -28,8 +28,8 @@ from engine_svc.model.load.loader import build_model
 from engine_svc.model.native import load_kernels
 from engine_svc.model.native.quant import quantize_activations
 from engine_svc.types import SamplingParams
+from tests.engine.model.load.test_gguf_loading import _gguf_name, _llama_cpp_permute, hf_config_keys
 from tests.engine.test_engine_vs_transformers import _assert_same_or_near_tie, _prompts
-from tests.engine.test_gguf_loading import _gguf_name, _llama_cpp_permute, hf_config_keys
 from tests.model_factory import load_hf_model, make_model_dir
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")

@@ -27,7 +27,7 @@ from engine_svc.demo_model import VOCAB_SIZE as DEMO_VOCAB
 from engine_svc.model.sample.sampler_stages import exponential_race, rejection_sample
 from engine_svc.sched.spec import SpeculativeConfig
 from engine_svc.types import FinishReason, SamplingParams
-from tests.engine.test_spec_decode import CASES, GREEDY, PATTERN, VOCAB, prompts_of, run, tokens
+from tests.engine.sched.spec.test_spec_decode import CASES, GREEDY, PATTERN, VOCAB, prompts_of, run, tokens
 from tests.model_factory import make_model_dir
 from tests.structured_cases import CONSTRAINTS, VALID
 
