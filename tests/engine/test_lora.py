@@ -12,6 +12,7 @@ another, nor to a new version of the same name.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -197,3 +198,14 @@ def test_unload_is_refused_while_requests_use_the_adapter(lora_setup):
     with pytest.raises(LoraRefusedError) as twice:
         core.load_lora(core.read_lora("r16", str(adapters["r16"])))
     assert twice.value.code is ErrorCode.ALREADY_EXISTS
+
+
+def test_the_operator_is_told_when_lora_turns_the_decode_stack_off(lora_setup, caplog):
+    model_dir, adapters, _ = lora_setup
+    plain = EngineCore(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=16))
+    if plain.runner.model.decode_stack is None:
+        pytest.skip("no decode stack on this machine's kernels: nothing for LoRA to turn off")
+    with caplog.at_level(logging.INFO, logger="engine_svc.model.lora.slots"):
+        core = _engine(model_dir, adapters, num_kv_blocks=64)
+    assert core.runner.model.decode_stack is None
+    assert any("the decode stack is off" in r.getMessage() for r in caplog.records), caplog.text
