@@ -122,7 +122,7 @@ class EngineClient:
         self._max_message_bytes = max_message_bytes
         self._stall_timeout_s = stall_timeout_s
         self._progress = ProgressWatchdog(progress_timeout_s, progress_factor, progress_floor_s)
-        self._peers = peers or _no_peers  # the other engines' paces, to judge this one against (router.py)
+        self._peers = peers or (lambda _client: [])  # the other engines' paces, to judge this one against (router.py)
         self._accept = accept
         self._on_change = on_change
         self._index = index
@@ -410,7 +410,8 @@ class EngineClient:
             if self.suspect:
                 self.suspect = False
                 logger.info("engine %s advances requests again", self.address)
-        to_pause = self._inflight.deliver(response.outputs, self._wake, self.address)
+        outputs = [convert.engine_output(o) for o in response.outputs]
+        to_pause = self._inflight.deliver(outputs, self._wake, self.address)
         if to_pause and self._outbox is not None:
             self._outbox.put_nowait(convert.pause_requests(to_pause))
 
@@ -489,10 +490,6 @@ class EngineClient:
         if files:
             logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
         return files
-
-
-def _no_peers(_client: EngineClient) -> list[Pace]:
-    return []
 
 
 async def _drain(outbox: asyncio.Queue):

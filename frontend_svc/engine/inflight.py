@@ -11,11 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from frontend_svc.engine import convert
 from frontend_svc.engine.handle import RequestHandle
 from frontend_svc.engine.watchdog import ProgressWatchdog
-from frontend_svc.types import EngineUnavailableError
-from tandem_protos.tandem.engine.v1 import engine_pb2
+from frontend_svc.types import EngineOutput, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -48,20 +46,17 @@ class InFlight:
         self.unstarted_tokens -= self._unstarted.pop(request_id, 0)
         self._progress.started(request_id)
 
-    def deliver(
-        self, outputs: Iterable[engine_pb2.RequestOutput], wake: Callable[[RequestHandle], None], address: str
-    ) -> list[str]:
+    def deliver(self, outputs: Iterable[EngineOutput], wake: Callable[[RequestHandle], None], address: str) -> list:
         """Hands each output to its request's handle; returns the ids whose readers lag (to pause)."""
-        to_pause = []
-        for o in outputs:
-            self.started(o.request_id)
-            handle = self.requests.get(o.request_id)
+        to_pause: list[str] = []
+        for out in outputs:
+            self.started(out.request_id)
+            handle = self.requests.get(out.request_id)
             if handle is None:
-                logger.debug("engine %s: output for unknown request %s dropped", address, o.request_id)
+                logger.debug("engine %s: output for unknown request %s dropped", address, out.request_id)
                 continue
-            out = convert.engine_output(o)
             if out.finished:
-                del self.requests[o.request_id]
+                del self.requests[out.request_id]
             if handle.deliver(out):
                 wake(handle)
             if handle.wants_pause:  # its reader lags: the engine holds it until the reader takes its output

@@ -7,7 +7,7 @@ Sources (C, shipped in the package), their API declared once in ``tandem_api.h``
 (the linear layers, weights packed at load time, float32 or bfloat16; bfloat16 dot products in
 the AVX512-BF16 build, ``gemm_bf16.h``; a LoRA term inside the product, ``gemm_lora.h``),
 ``quant.c`` (the quantized GEMM, a strategy per file beside it: ``quant_fused.c``,
-``quant_wide.c``, ``quant_int8.c``), ``elementwise.c`` (RMSNorm with the residual add,
+``quant_wide.c``, ``quant_int8.c``, over ``quant_tiles.c``), ``elementwise.c`` (RMSNorm with the residual add,
 SiLU-and-multiply, RoPE, argmax), ``attention.c`` and ``attention_prefill.c`` (decode and
 prefill attention reading the paged KV cache in place, one query vector's arithmetic shared in
 ``attention_row.h``) and ``stack.c`` (a decode step's layers in one call); their layout is

@@ -32,7 +32,7 @@ from tandem_common.cache import cache_dir
 HERE = Path(__file__).resolve().parent
 SOURCES = (
     "gemm.c", "elementwise.c", "attention.c", "attention_prefill.c", "quant.c", "quant_fused.c", "quant_wide.c",
-    "quant_int8.c", "stack.c",
+    "quant_int8.c", "quant_tiles.c", "stack.c",
 )  # fmt: skip
 HEADERS = (
     "tandem_api.h", "tandem_kernels.h", "attention_row.h", "gemm_bf16.h", "gemm_tile.h", "gemm_lora.h", "quant.h",

@@ -3,7 +3,8 @@
  * (qargs), reading a panel's scales and quantized weights into vectors, and the entry point of
  * each strategy and of the work-item loop they run on.
  *
- *   quant.c         tk_qgemm: the checks, the choice of strategy, the items and the result
+ *   quant.c         tk_qgemm: the checks and the choice of strategy
+ *   quant_tiles.c   the tile runner they share: work items between threads, a tile's result
  *   quant_fused.c   few rows: each k's weights dequantized in registers (or the groups' algebra)
  *   quant_wide.c    wide batches: a dequantized K slice in L1 under gemm.c's micro-tile
  *   quant_int8.c    int8 activations: integer dot products (VNNI builds)
@@ -131,7 +132,7 @@ typedef struct {
 /* cs [rows][NR] = X[m0..m0+rows) @ panel p for a wide product, through a scratch buffer. */
 typedef void (*block_fn)(const qargs *a, const xquant *xq, int m0, int rows, int p, void *buf, float *cs);
 
-/* quant.c: the result of output tile q, and a wide product's work items (row block, tile). */
+/* quant_tiles.c: the result of output tile q, and a wide product's work items (row block, tile). */
 TK_INTERNAL void tkq_store_tile(const qargs *a, int m0, int rows, int q, float *cs, const float *up);
 TK_INTERNAL int tkq_run_items(const qargs *a, const xquant *xq, block_fn block, int mc, size_t buf_bytes, int nthreads);
 
