@@ -52,6 +52,9 @@ class FrontendConfig:
     http_max_connections_per_address: int = 1024  # 0: no cap
     http_max_header_bytes: int = 64 * 1024
     http_max_header_fields: int = 128
+    # The Responses API's stored responses (service/http/responses_store.py); 0 bytes: none kept
+    responses_store_max_bytes: int = 256 << 20
+    responses_store_max_age_s: float = 3600.0
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     tool_call_parser: str | None = None  # None: the format the chat template shows (text/tools)
     reasoning_parser: str | None = None  # None: no reasoning split
@@ -127,6 +130,11 @@ class FrontendConfig:
             problems.append("--http-max-connections and --http-max-connections-per-address must be >= 0 (0: no limit)")
         if self.http_max_header_bytes < 1024 or self.http_max_header_fields < 1:
             problems.append("--http-max-header-bytes must be at least 1024 and --http-max-header-fields at least 1")
+        if self.responses_store_max_bytes < 0:
+            problems.append("--responses-store-max-bytes must be >= 0 (0: no response is stored)")
+        if not 0 < self.responses_store_max_age_s < math.inf:
+            age = self.responses_store_max_age_s
+            problems.append(f"--responses-store-max-age-s must be a positive number of seconds, got {age}")
         if self.max_pending_output_bytes < 64 * 1024:
             problems.append("--max-pending-output-bytes must be at least 65536")
         if self.engine_stall_timeout_s <= 0:
@@ -348,6 +356,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.http_max_header_fields,
         metavar="N",
         help="most header fields in an HTTP request; more get 431",
+    )
+    n.add_argument(
+        "--responses-store-max-bytes",
+        type=int_in(0),
+        default=d.responses_store_max_bytes,
+        metavar="BYTES",
+        help="the Responses API's stored responses (GET /v1/responses/{id}, previous_response_id), each with its "
+        "conversation, in this frontend process's memory: at most this many bytes of their JSON, the oldest "
+        "evicted first (0: none stored)",
+    )
+    n.add_argument(
+        "--responses-store-max-age-s",
+        type=float_in(0.0, lo_open=True),
+        default=d.responses_store_max_age_s,
+        metavar="S",
+        help="a stored response is dropped this long after it was answered",
     )
     n.add_argument(
         "--max-message-bytes",

@@ -56,6 +56,9 @@ FRONTEND_REFUSED = [
     ("--http-max-header-bytes", "100", "an integer in [1024, 16777216]"),
     ("--http-max-header-fields", "0", "an integer >= 1"),
     ("--max-pending-output-bytes", "1000", "an integer >= 65536"),
+    ("--responses-store-max-bytes", "-1", "an integer >= 0"),
+    ("--responses-store-max-age-s", "0", "a number > 0"),
+    ("--responses-store-max-age-s", "inf", "a number > 0"),
 ]
 
 
