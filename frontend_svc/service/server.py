@@ -234,11 +234,18 @@ class FrontendServer:
     async def _start_http(self, keys: list[str]) -> None:
         from frontend_svc.service.http.app import HttpFace
         from frontend_svc.service.http.connection import ConnectionLimits, reserve_file_descriptors
+        from frontend_svc.service.http.responses_store import ResponseStore
         from frontend_svc.service.http.server import Guard, HttpServer, http_requests_counter
 
         cfg = self.config
         assert cfg.http_port is not None
-        face = HttpFace(self.servicer.generation, serving=lambda: self._serving, max_body_bytes=cfg.max_message_bytes)
+        responses = ResponseStore(cfg.responses_store_max_bytes, cfg.responses_store_max_age_s)
+        face = HttpFace(
+            self.servicer.generation,
+            serving=lambda: self._serving,
+            max_body_bytes=cfg.max_message_bytes,
+            responses=responses,
+        )
         app = Guard(face.app, keys, http_requests_counter(self.metrics.registry))
         self.http = HttpServer(
             app,
@@ -263,11 +270,13 @@ class FrontendServer:
             logger.warning("%s", problem)
         self.http_port = await self.http.start()  # the chosen port with --http-port 0
         logger.info(
-            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages); connections: %s",
+            "HTTP API on %s://%s:%d (OpenAI, OpenAI Responses and Anthropic Messages); connections: %s; "
+            "stored responses: %s",
             "https" if cfg.tls_cert else "http",
             cfg.http_host or cfg.host,
             self.http_port,
             self.http.limits.describe(),
+            responses.describe(),
         )
 
     async def _set_health(self, serving: bool) -> None:

@@ -6,14 +6,18 @@
     POST /v1/chat/completions       OpenAI chat completions, streaming (SSE) or not
     POST /v1/messages               Anthropic Messages, streaming (SSE events) or not
     POST /v1/messages/count_tokens  Anthropic: the prompt's token count
+    POST /v1/responses              OpenAI Responses, streaming (SSE events) or not
+    GET, DELETE /v1/responses/{id}  a stored response; POST .../cancel: 400 (no background responses)
     POST /tokenize, /detokenize     vLLM's shapes
 
 Each route is one line below (endpoint.py: the body read, the errors in the route's
-dialect); a generation route is a converter (openai_requests, anthropic_api) to the plain
-values that planning checks, and an answer builder (openai_answers, anthropic_api) fed
+dialect); a generation route is a converter (openai_requests, anthropic_api,
+responses_requests) to the plain values that planning checks, and an answer builder
+(openai_answers, anthropic_api, responses_answers) fed
 the same ChoiceOutputs the gRPC servicer streams, run by the call lifecycle both faces
 share (service/generate_call.py). Errors are OpenAI's nested JSON, or Anthropic's on
-/v1/messages (dialect.py); nothing a client sends reaches a 500 (an unexpected exception
+/v1/messages (dialect.py); stored responses live in the process (responses_store.py).
+Nothing a client sends reaches a 500 (an unexpected exception
 is logged and answered as one, without a traceback).
 """
 
@@ -30,12 +34,15 @@ from starlette.routing import Route
 
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.http import anthropic_api, openai_requests
-from frontend_svc.service.http.dialect import ANTHROPIC, OPENAI
+from frontend_svc.service.http.dialect import ANTHROPIC, OPENAI, RESPONSES
 from frontend_svc.service.http.endpoint import Endpoints
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_answers import OpenAIAnswer
 from frontend_svc.service.http.openai_requests import OpenAIRequest
+from frontend_svc.service.http.responses_answers import ResponsesAnswer
+from frontend_svc.service.http.responses_requests import ResponsesRequest, responses_request
+from frontend_svc.service.http.responses_store import ResponseStore, StoredResponse
 from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, Chat, Plan, check_ids, encode_prompt
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.types import ModelInfo
@@ -44,9 +51,17 @@ logger = logging.getLogger(__name__)
 
 
 class HttpFace:
-    def __init__(self, generation: Generation, *, serving: Callable[[], bool], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        *,
+        serving: Callable[[], bool],
+        max_body_bytes: int,
+        responses: ResponseStore,
+    ) -> None:
         self.generation = generation
         self.serving = serving
+        self.responses = responses  # stored responses (--responses-store-max-bytes, --responses-store-max-age-s)
         e = self.endpoints = Endpoints(generation, max_body_bytes)
         self.app = Starlette(
             routes=[
@@ -56,6 +71,10 @@ class HttpFace:
                 e.generate("/v1/chat/completions", OPENAI, openai_requests.chat_request, self.openai_answer),
                 e.generate("/v1/messages", ANTHROPIC, anthropic_api.messages_request, anthropic_api.answer),
                 e.route("/v1/messages/count_tokens", ANTHROPIC, self.count_tokens),
+                e.generate("/v1/responses", RESPONSES, self.responses_request, self.responses_answer),
+                e.route("/v1/responses/{response_id}", RESPONSES, self.get_response, method="GET"),
+                e.route("/v1/responses/{response_id}", RESPONSES, self.delete_response, method="DELETE"),
+                e.route("/v1/responses/{response_id}/cancel", RESPONSES, self.cancel_response, body=False),
                 e.route("/tokenize", OPENAI, self.tokenize),
                 e.route("/detokenize", OPENAI, self.detokenize),
             ],
@@ -98,6 +117,41 @@ class HttpFace:
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
         )
+
+    def responses_request(self, body: Any) -> ResponsesRequest:
+        return responses_request(body, self.responses)
+
+    def responses_answer(self, req: ResponsesRequest, model: str, plan: Plan) -> ResponsesAnswer:
+        return ResponsesAnswer(req, model, len(plan.prompt_token_ids), self.responses)
+
+    # -- stored responses ---------------------------------------------------------------------
+
+    async def get_response(self, request: Request) -> Response:
+        """The stored response; its query parameters (a background response's stream, extra
+        output) are not served, so any but ``stream=false`` is refused."""
+        for key, value in request.query_params.multi_items():
+            if not (key == "stream" and value == "false"):
+                raise bad_request(key, "is not served: a stored response is read whole, as it was answered")
+        return JSONResponse(self._stored(request).response)
+
+    async def delete_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not self.responses.delete(response_id):
+            raise _response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel_response(self, request: Request) -> Response:
+        """Only a background response can be cancelled, and none is served: every stored one
+        was answered in the foreground, and OpenAI refuses to cancel those."""
+        self._stored(request)
+        raise HttpError(400, "Only responses created with background=true can be cancelled.", param="response_id")
+
+    def _stored(self, request: Request) -> StoredResponse:
+        response_id = request.path_params["response_id"]
+        stored = self.responses.get(response_id)
+        if stored is None:
+            raise _response_not_found(response_id)
+        return stored
 
     # -- token counts -------------------------------------------------------------------------
 
@@ -150,6 +204,10 @@ class HttpFace:
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.generation.loaded_tokenizer().decode(token_ids, skip_special_tokens=False)
+
+
+def _response_not_found(response_id: str) -> HttpError:
+    return HttpError(404, f"Response with id {response_id!r} not found.", param="response_id", code="not_found")
 
 
 async def _not_found(request: Request, exc) -> Response:

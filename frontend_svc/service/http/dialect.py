@@ -2,7 +2,7 @@
 
     Dialect.error(e)          HttpError | CallError | EngineUnavailableError ──▶ HttpError in this API's names
     Dialect.response(e)       ──▶ the JSON error response (its status, body, Retry-After)
-    Dialect.event(name, obj)  ──▶ one server-sent event (OpenAI: data only; Anthropic: named)
+    Dialect.event(name, obj)  ──▶ one server-sent event (OpenAI chat: data only; Responses, Anthropic: named)
     Dialect.stream_error(e)   ──▶ the event that ends a stream cut by an error
     Dialect.ping, .done       a keep-alive event; what closes every stream (OpenAI's [DONE], else nothing)
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from frontend_svc.service.http import anthropic_api, openai_requests, sse
+from frontend_svc.service.http import anthropic_api, openai_requests, responses_requests, sse
 from frontend_svc.service.http.errors import HttpError, from_call_error
 from frontend_svc.types import CallError, UnknownModelError
 from tandem_common.types import ErrorCode
@@ -64,3 +64,5 @@ def _data(name: str, obj: dict) -> bytes:
 
 OPENAI = Dialect(openai_requests.param_name, HttpError.openai_body, _data, sse.PING, sse.DONE)
 ANTHROPIC = Dialect(anthropic_api.param_name, HttpError.anthropic_body, sse.event, sse.event("ping", {"type": "ping"}))
+# The Responses API: OpenAI's errors, its parameter names, named events and no [DONE].
+RESPONSES = Dialect(responses_requests.param_name, HttpError.openai_body, sse.event, sse.PING)

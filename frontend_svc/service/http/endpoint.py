@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
@@ -61,6 +61,14 @@ class Answer(Protocol):
     def end_events(self) -> list[tuple[str, dict]]: ...
 
 
+@runtime_checkable
+class FailingAnswer(Protocol):
+    """An answer that says a stream's failure in its own events (the Responses API's
+    numbered ``error`` and ``response.failed``); any other gets the dialect's error event."""
+
+    def failed_events(self, error: HttpError) -> list[tuple[str, dict]]: ...
+
+
 class Endpoints:
     def __init__(self, generation: Generation, max_body_bytes: int) -> None:
         self.generation = generation
@@ -68,13 +76,21 @@ class Endpoints:
         self.pacer = Pacer()  # streamed calls coalesce while the frontend is busy (pacing.py)
 
     def route(
-        self, path: str, dialect: Dialect, handler: Callable[..., Awaitable[Response]], *, method: str = "POST"
+        self,
+        path: str,
+        dialect: Dialect,
+        handler: Callable[..., Awaitable[Response]],
+        *,
+        method: str = "POST",
+        body: bool | None = None,
     ) -> Route:
-        """``handler(request, body)`` (a GET's: ``handler(request)``), its errors in ``dialect``."""
+        """``handler(request, body)`` (without a body, a GET's or DELETE's unless ``body``:
+        ``handler(request)``), its errors in ``dialect``."""
+        reads_body = method == "POST" if body is None else body
 
         async def endpoint(request: Request) -> Response:
             try:
-                if method == "GET":
+                if not reads_body:
                     return await handler(request)
                 return await handler(request, await read_body(request, self.max_body_bytes))
             except (HttpError, CallError, EngineUnavailableError) as e:
@@ -124,7 +140,11 @@ class Endpoints:
             for name, obj in answer.end_events():
                 yield dialect.event(name, obj)
         except (CallError, EngineUnavailableError) as e:
-            yield dialect.stream_error(e)
+            if isinstance(answer, FailingAnswer):
+                for name, obj in answer.failed_events(dialect.error(e)):
+                    yield dialect.event(name, obj)
+            else:
+                yield dialect.stream_error(e)
         if dialect.done:
             yield dialect.done
 

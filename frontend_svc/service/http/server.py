@@ -37,6 +37,7 @@ ROUTES = frozenset(
         "/v1/chat/completions",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
         "/tokenize",
         "/detokenize",
     )
@@ -67,7 +68,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else _route_template(path)
         status = [0]
 
         async def counted_send(message) -> None:
@@ -84,6 +85,13 @@ class Guard:
             await self.app(scope, receive, counted_send)
         finally:
             self._requests.labels(route, str(status[0] or 499)).inc()  # 499: gone before an answer
+
+
+def _route_template(path: str) -> str:
+    """The route label of a path with an id in it (a stored response's), else "other"."""
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}/cancel" if path.endswith("/cancel") else "/v1/responses/{id}"
+    return "other"
 
 
 async def _send_json(send, status: int, body: dict) -> None:
