@@ -5,10 +5,12 @@ Qwen3-style template, a frontend with --reasoning-parser qwen3 and --http-port 0
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.chat_templates import HERMES_THINKING, model_with_template
@@ -142,6 +144,25 @@ def test_a_function_tool_round_trip_with_previous_response_id(client, model):
     assert again.usage.input_tokens == answer.usage.input_tokens and again.output_text == answer.output_text
 
 
+def test_required_without_parallel_calls_is_one_valid_call(client, model):
+    tools = [TOOL, {"type": "function", "name": "get_time", "description": "The time"}]
+    for seed in range(3):
+        response = client.responses.create(
+            model=model,
+            input="Weather in Paris?",
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            reasoning=NO_THINKING,
+            max_output_tokens=120,
+            extra_body={"seed": seed},
+        )
+        (call,) = [item for item in response.output if item.type == "function_call"]
+        assert response.parallel_tool_calls is False and call.name in ("get_weather", "get_time")
+        if call.name == "get_weather":
+            jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
 def test_previous_response_id_continues_the_conversation_and_store_false_keeps_none(client, model):
     first = client.responses.create(model=model, input="My name is Ada.", **PLAIN)
     second = client.responses.create(model=model, input="What is my name?", previous_response_id=first.id, **PLAIN)
@@ -184,6 +205,18 @@ def test_text_format_json_schema_is_constrained(client, model):
     jsonschema.validate(json.loads(response.output_text), SCHEMA)
 
 
+class Day(pydantic.BaseModel):
+    id: int = pydantic.Field(ge=0, le=999)
+    day: Literal["sun", "rain"]
+
+
+def test_the_sdks_parse_gets_its_pydantic_model(client, model):
+    response = client.responses.parse(
+        model=model, input="A day as JSON", reasoning=NO_THINKING, max_output_tokens=100, text_format=Day
+    )
+    assert isinstance(response.output_parsed, Day), response.output_text
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -197,6 +230,8 @@ def test_text_format_json_schema_is_constrained(client, model):
         ({"temperature": -1.0}, "temperature"),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
         ({"previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"text": {"format": {"type": "text"}, "schema": {}}}, "text.schema"),
+        ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
     ],
 )
 def test_a_field_not_served_is_400_naming_it(served, model, body, param):

@@ -188,6 +188,7 @@ def _refuse_unserved_values(f: Fields) -> None:
             raise bad_request("stream_options", "is only allowed with stream: true")
         if options.bool("include_obfuscation", False):
             raise bad_request("stream_options.include_obfuscation", "is not served: events carry no padding")
+        _only(options, ("include_obfuscation",))
     reasoning = f.object("reasoning")
     if reasoning is not None:
         for key in reasoning.body:
@@ -198,6 +199,15 @@ def _refuse_unserved_values(f: Fields) -> None:
     text = f.object("text")
     if text is not None and text.raw("verbosity") is not None:
         raise bad_request("text.verbosity", "is not served; ask for brevity in the instructions")
+    if text is not None:
+        _only(text, ("format", "verbosity"))
+
+
+def _only(f: Fields, known: tuple[str, ...]) -> None:
+    """Refuses a member of a nested object that the API does not define, as at the top level."""
+    for key in f.body:
+        if key not in known and f.body[key] is not None:
+            raise bad_request(f.name(key), "is not a field of the Responses API that this server serves; leave it out")
 
 
 def _input_turns(f: Fields, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
