@@ -164,8 +164,8 @@ class Generation:
         """The plan's pieces from one engine, or from a second one when the first refuses or
         fails before anything was yielded. ``on_done`` registers a callback to run when the
         caller's call ends (gRPC: ``context.add_done_callback``); it aborts what still runs."""
-        # Choices 1..n-1 never ask for prompt logprobs: with n > 1 some choice can hit.
-        prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.n == 1 and plan.text.prompt_logprobs)
+        # Choices 1..n-1 ask for prompt logprobs only when each choice does: else some choice can hit.
+        prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.every_choice_misses)
         sent = False
         tried: list[EngineClient] = []
         failure: Exception | None = None

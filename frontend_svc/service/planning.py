@@ -126,6 +126,10 @@ class GenerateInput:
     priority: int = 0
     tools: ToolRequest = field(default_factory=ToolRequest)
     lora_name: str | None = None  # the LoRA adapter the client's model names (checked: Generation.lora_name)
+    # Every choice gets the prompt logprobs, not choice 0 alone (HTTP completions' echo with
+    # logprobs: each choice's logprobs start with the prompt's). Each such choice computes
+    # its prompt in full: the engine serves prompt logprobs from no cached block.
+    prompt_logprobs_each_choice: bool = False
 
 
 @dataclass
@@ -134,19 +138,27 @@ class Plan:
 
     prompt_token_ids: list[int]
     n: int
-    params: SamplingParams  # choice 0's; choice i gets seed + i and no prompt logprobs
+    params: SamplingParams  # choice 0's; choice i gets seed + i and no prompt logprobs (unless each choice asks)
     text: TextParams
     priority: int
     lora_name: str | None = None  # the LoRA adapter to run under; None: the base model
+    prompt_logprobs_each_choice: bool = False  # GenerateInput's
 
     def engine_params(self, i: int) -> SamplingParams:
         if i == 0:
             return self.params
         seed = None if self.params.seed is None else (self.params.seed + i) % _U64
+        if self.prompt_logprobs_each_choice:
+            return replace(self.params, seed=seed)
         return replace(self.params, seed=seed, prompt_logprobs=None)
 
     def text_params(self, i: int) -> TextParams:
-        return self.text if i == 0 else replace(self.text, prompt_logprobs=False)
+        return self.text if i == 0 or self.prompt_logprobs_each_choice else replace(self.text, prompt_logprobs=False)
+
+    @property
+    def every_choice_misses(self) -> bool:
+        """Whether every choice asks for prompt logprobs, so none hits the prefix cache."""
+        return self.text.prompt_logprobs and (self.n == 1 or self.prompt_logprobs_each_choice)
 
 
 def check_sizes(sizes: RequestSizes, limits: RequestLimits, info: ModelInfo) -> None:
@@ -236,7 +248,9 @@ def plan_generate(
         prompt_logprobs=params.prompt_logprobs is not None,
         message=message,
     )
-    return Plan(prompt, request.n, params, text, request.priority, request.lora_name)
+    return Plan(
+        prompt, request.n, params, text, request.priority, request.lora_name, request.prompt_logprobs_each_choice
+    )
 
 
 def _too_long(num_tokens: int, max_model_len: int) -> str:

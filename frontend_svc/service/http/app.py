@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.http import anthropic_api, openai_requests
+from frontend_svc.service.http import echo as echo_logprobs
 from frontend_svc.service.http.dialect import ANTHROPIC, OPENAI, RESPONSES
 from frontend_svc.service.http.endpoint import Endpoints
 from frontend_svc.service.http.errors import HttpError, bad_request
@@ -104,9 +105,12 @@ class HttpFace:
     def openai_answer(self, req: OpenAIRequest, model: str, plan: Plan) -> OpenAIAnswer:
         """Completions (a prompt) or chat (messages)."""
         gen = req.input
-        echo = ""
+        echo, echo_prompt = "", None
         if req.echo:  # the prompt as text: as sent, or its token ids decoded
             echo = gen.text if gen.input == "text" else self._decode(gen.token_ids)
+        if req.echo and req.logprobs:
+            tokenizer = self.generation.loaded_tokenizer()
+            echo_prompt = echo_logprobs.echo_prompt(echo, plan.prompt_token_ids, tokenizer, gen.input == "text")
         return OpenAIAnswer(
             chat=gen.input == "messages",
             model=model,
@@ -116,6 +120,10 @@ class HttpFace:
             echo=echo,
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
+            echo_prompt=echo_prompt,
+            num_logprobs=req.num_logprobs,
+            echo_only=req.echo_only,
+            num_prompt_logprobs=req.num_prompt_logprobs,
         )
 
     def responses_request(self, body: Any) -> ResponsesRequest:

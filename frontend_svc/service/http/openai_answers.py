@@ -6,8 +6,12 @@
                      ── OpenAIAnswer.add(piece) ... .response() ──▶ the whole response (stream: false)
 
 Logprobs come in OpenAI's two shapes: chat ``logprobs.content[]`` with ``bytes``;
-completions ``tokens / token_logprobs / top_logprobs / text_offset``. A log-probability of
--inf (a token the sampler masked) is written as -9999.0, as vLLM does: JSON has no -inf.
+completions ``tokens / token_logprobs / top_logprobs / text_offset``, whose top entries
+name the token itself first (so ``logprobs: 0`` names it, as vLLM does) and which, with
+``echo``, start with the prompt's own (echo.py). vLLM's ``prompt_logprobs`` extra is
+per choice in completions and at the top level of a chat answer, as vLLM places it. A
+log-probability of -inf (a token the sampler masked) is written as -9999.0, as vLLM does:
+JSON has no -inf.
 The first chunk of each chat choice carries ``role``. finish_reason is ``stop``,
 ``length`` or ``tool_calls``; ``stop_reason`` (a vLLM extra) names the stop string or stop
 token id that ended the choice. With tools or a reasoning parser, chat deltas carry
@@ -21,6 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from frontend_svc.service.http.echo import EchoPrompt, completion_top, echo_logprobs
 from frontend_svc.service.http.openai_tools import call_delta, message_call
 from frontend_svc.text.message_parser import AssistantMessage
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
@@ -61,25 +66,35 @@ def chat_logprobs(lps: list[LogprobText]) -> list[dict]:
     ]
 
 
-def completion_logprobs(lps: list[LogprobText], offset: int) -> dict:
-    """The completions shape; ``offset`` is the text offset of the first token."""
+def completion_logprobs(lps: list[LogprobText], offset: int, echo: dict | None = None) -> dict:
+    """The completions shape; ``offset`` is the text offset of the first token; ``echo``
+    the prompt's part (echo.py), which comes first."""
     offsets = []
     for lp in lps:
         offsets.append(offset)
         offset += len(lp.token)
-    return {
+    out = {
         "tokens": [lp.token for lp in lps],
         "token_logprobs": [logprob_value(lp.logprob) for lp in lps],
-        "top_logprobs": [{t.token: logprob_value(t.logprob) for t in lp.top} for lp in lps],
+        "top_logprobs": [completion_top(lp, None, logprob_value) for lp in lps],
         "text_offset": offsets,
     }
+    if echo is None:
+        return out
+    return {key: echo[key] + out[key] for key in out}
 
 
-def prompt_logprobs(lps: list[LogprobText]) -> list[dict | None]:
-    """vLLM's shape: None for the first prompt token, then {token_id: {logprob, rank, decoded_token}}."""
+def prompt_logprobs(lps: list[LogprobText], num_top: int | None = None) -> list[dict | None]:
+    """vLLM's shape: None for the first prompt token, then {token_id: {logprob, rank,
+    decoded_token}}: the prompt token and up to ``num_top`` best alternatives (None: all
+    the engine sent), ranked from 1."""
     out: list[dict | None] = [None]
     for lp in lps:
-        entry = {str(t.token_id): {"logprob": logprob_value(t.logprob), "decoded_token": t.token} for t in lp.top}
+        top = lp.top if num_top is None else lp.top[:num_top]
+        entry = {
+            str(t.token_id): {"logprob": logprob_value(t.logprob), "rank": rank, "decoded_token": t.token}
+            for rank, t in enumerate(top, 1)
+        }
         entry[str(lp.token_id)] = {"logprob": logprob_value(lp.logprob), "rank": lp.rank, "decoded_token": lp.token}
         out.append(entry)
     return out
@@ -110,8 +125,21 @@ class OpenAIAnswer:
         echo: str = "",
         include_usage: bool = False,
         continuous_usage: bool = False,
+        echo_prompt: EchoPrompt | None = None,
+        num_logprobs: int | None = None,
+        echo_only: bool = False,
+        num_prompt_logprobs: int | None = None,
     ):
+        """``echo_prompt``: the echoed prompt's logprobs go first (completions echo with
+        logprobs; its alternatives cut to ``num_logprobs``); ``echo_only``: the prompt alone is
+        the answer (``max_tokens: 0``), the one generated token is left out;
+        ``num_prompt_logprobs``: the client's ``prompt_logprobs`` (None: the field is not
+        answered, though the engine may have sent them for the echo)."""
         self.chat = chat
+        self.echo_prompt = echo_prompt
+        self.num_logprobs = num_logprobs
+        self.echo_only = echo_only
+        self.num_prompt_logprobs = num_prompt_logprobs
         # stream_options: a last chunk with the usage; the running usage in every chunk
         self.include_usage = include_usage
         self._chunk_usage = True if continuous_usage else False if include_usage else None
@@ -130,6 +158,7 @@ class OpenAIAnswer:
         """Prompt tokens once (n choices share the prompt), completion tokens over all choices."""
         usages = [c.last.usage if c.last is not None else None for c in self.choices]
         completion = sum(u.completion_tokens if u is not None else c.num_tokens for u, c in zip(usages, self.choices))
+        completion = 0 if self.echo_only else completion
         cached = max((u.cached_tokens for u in usages if u is not None), default=0)
         return {
             "prompt_tokens": self.num_prompt_tokens,
@@ -144,11 +173,11 @@ class OpenAIAnswer:
         """The chunk carrying ``piece``. ``usage``: None leaves the key out, False writes
         null (include_usage), True the running usage (continuous_usage_stats)."""
         c = self.choices[piece.index]
-        c.num_tokens += len(piece.token_ids)
         if piece.finished:
             c.last = piece
         choice: dict = {"index": piece.index}
-        text = piece.text
+        text, lps = ("", []) if self.echo_only else (piece.text, piece.logprobs)
+        c.num_tokens += len(piece.token_ids)
         if self.chat:
             delta: dict = {}
             if not c.role_sent:
@@ -163,18 +192,23 @@ class OpenAIAnswer:
             choice["delta"] = delta
             choice["logprobs"] = {"content": chat_logprobs(piece.logprobs)} if self.logprobs else None
         else:
-            if self.echo and not c.role_sent:  # the prompt text goes before the first piece
+            echo = None
+            if self.echo and not c.role_sent:  # the prompt goes before the first piece, which has its logprobs
                 text = self.echo + text
                 c.role_sent = True
+                echo = self._echo_logprobs(piece.prompt_logprobs)
             choice["text"] = text
-            choice["logprobs"] = completion_logprobs(piece.logprobs, c.offset) if self.logprobs else None
-            c.offset += sum(len(lp.token) for lp in piece.logprobs)
+            choice["logprobs"] = completion_logprobs(lps, c.offset, echo) if self.logprobs else None
+            c.offset += sum(len(lp.token) for lp in lps)
         choice["finish_reason"] = finish_reason(piece)
         if piece.finished:
             choice["stop_reason"] = stop_reason(piece)
-        if piece.prompt_logprobs:
-            choice["prompt_logprobs"] = prompt_logprobs(piece.prompt_logprobs)
+        shown = self._prompt_logprobs(piece.prompt_logprobs)
+        if shown is not None and not self.chat:
+            choice["prompt_logprobs"] = shown
         body = self._head(self.object + ".chunk" if self.chat else self.object, [choice])
+        if shown is not None and self.chat:
+            body["prompt_logprobs"] = shown
         if usage is not None:
             body["usage"] = self.usage() if usage else None
         return body
@@ -216,16 +250,32 @@ class OpenAIAnswer:
                 choice["message"] = {"role": "assistant", "content": text} if message is None else _message(message)
                 choice["logprobs"] = {"content": chat_logprobs(c.logprobs)} if self.logprobs else None
             else:
-                choice["text"] = self.echo + text
-                choice["logprobs"] = completion_logprobs(c.logprobs, len(self.echo)) if self.logprobs else None
+                lps = [] if self.echo_only else c.logprobs
+                choice["text"] = self.echo + ("" if self.echo_only else text)
+                echo = self._echo_logprobs(c.prompt_logprobs)
+                choice["logprobs"] = completion_logprobs(lps, len(self.echo), echo) if self.logprobs else None
             choice["finish_reason"] = finish_reason(c.last)
             choice["stop_reason"] = stop_reason(c.last)
-            if c.prompt_logprobs:
-                choice["prompt_logprobs"] = prompt_logprobs(c.prompt_logprobs)
+            shown = self._prompt_logprobs(c.prompt_logprobs)
+            if shown is not None and not self.chat:
+                choice["prompt_logprobs"] = shown
             choices.append(choice)
         body = self._head(self.object, choices)
+        shown = self._prompt_logprobs(self.choices[0].prompt_logprobs) if self.chat else None
+        if shown is not None:  # the prompt is every choice's: vLLM puts its logprobs beside the choices
+            body["prompt_logprobs"] = shown
         body["usage"] = self.usage()
         return body
+
+    def _echo_logprobs(self, lps: list[LogprobText]) -> dict | None:
+        if self.echo_prompt is None:
+            return None
+        return echo_logprobs(self.echo_prompt, lps, self.num_logprobs, logprob_value)
+
+    def _prompt_logprobs(self, lps: list[LogprobText]) -> list[dict | None] | None:
+        if not lps or self.num_prompt_logprobs is None:
+            return None
+        return prompt_logprobs(lps, self.num_prompt_logprobs)
 
     def _head(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

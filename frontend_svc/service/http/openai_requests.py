@@ -17,7 +17,7 @@ calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, tool turns) is rea
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from frontend_svc.service.http.errors import bad_request
@@ -37,12 +37,24 @@ class OpenAIRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     echo: bool = False  # completions: the prompt text before the output
     logprobs: bool = False  # return logprobs (chat: content[]; completions: tokens/token_logprobs/...)
+    num_logprobs: int | None = None  # completions' logprobs: alternatives per token
+    echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (echo.py)
+    num_prompt_logprobs: int | None = None  # the client's own prompt_logprobs (None: not answered)
 
 
 def completion_request(body) -> OpenAIRequest:
     f = Fields(body)
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    gen = _sampling(f, logprobs=f.int("logprobs", lo=0))
+    num_logprobs = f.int("logprobs", lo=0)
+    echo = f.bool("echo", False)
+    gen = _sampling(f, logprobs=num_logprobs)
+    num_prompt_logprobs = gen.params.prompt_logprobs
+    echo_only = echo and gen.max_tokens_set and gen.params.max_tokens == 0
+    if echo_only:  # the engine runs for one token at least; the answer leaves it out
+        gen.params = replace(gen.params, max_tokens=1)
+    if echo and num_logprobs is not None:  # every choice's logprobs start with the prompt's
+        gen.params = replace(gen.params, prompt_logprobs=max(num_logprobs, num_prompt_logprobs or 0))
+        gen.prompt_logprobs_each_choice = True
     # One prompt per request: a string, an array of token ids, or an array holding one of them.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -56,7 +68,14 @@ def completion_request(body) -> OpenAIRequest:
         raise bad_request("prompt", "must be a string or an array of token ids (one prompt per request)")
     gen.add_special_tokens = f.bool("add_special_tokens", True)
     return OpenAIRequest(
-        gen, f.str("model"), echo=f.bool("echo", False), logprobs=gen.params.logprobs is not None, **_stream(f)
+        gen,
+        f.str("model"),
+        echo=echo,
+        logprobs=num_logprobs is not None,
+        num_logprobs=num_logprobs,
+        echo_only=echo_only,
+        num_prompt_logprobs=num_prompt_logprobs,
+        **_stream(f),
     )
 
 
@@ -78,7 +97,9 @@ def chat_request(body) -> OpenAIRequest:
         template_kwargs=dict(kwargs.body) if kwargs is not None else {},
     )
     gen.tools = tool_request(f)
-    return OpenAIRequest(gen, f.str("model"), logprobs=logprobs, **_stream(f))
+    return OpenAIRequest(
+        gen, f.str("model"), logprobs=logprobs, num_prompt_logprobs=gen.params.prompt_logprobs, **_stream(f)
+    )
 
 
 def chat_messages(f: Fields, key: str = "messages") -> list[dict[str, Any]]:
