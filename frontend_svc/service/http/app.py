@@ -34,17 +34,18 @@ from starlette.routing import Route
 
 from frontend_svc.service.generation import Generation
 from frontend_svc.service.http import anthropic_api, openai_requests
-from frontend_svc.service.http import echo as echo_logprobs
 from frontend_svc.service.http.dialect import ANTHROPIC, OPENAI, RESPONSES
+from frontend_svc.service.http.echo import Echo, echo_prompt
 from frontend_svc.service.http.endpoint import Endpoints
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_answers import OpenAIAnswer
 from frontend_svc.service.http.openai_requests import OpenAIRequest
+from frontend_svc.service.http.prompts import Plans
 from frontend_svc.service.http.responses_answers import ResponsesAnswer
 from frontend_svc.service.http.responses_requests import ResponsesRequest, responses_request
 from frontend_svc.service.http.responses_store import ResponseStore, StoredResponse
-from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, Chat, Plan, check_ids, encode_prompt
+from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, Chat, GenerateInput, Plan, check_ids, encode_prompt
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.types import ModelInfo
 
@@ -102,29 +103,34 @@ class HttpFace:
 
     # -- answers ------------------------------------------------------------------------------
 
-    def openai_answer(self, req: OpenAIRequest, model: str, plan: Plan) -> OpenAIAnswer:
-        """Completions (a prompt) or chat (messages)."""
-        gen = req.input
-        echo, echo_prompt = "", None
-        if req.echo:  # the prompt as text: as sent, or its token ids decoded
-            echo = gen.text if gen.input == "text" else self._decode(gen.token_ids)
-        if req.echo and req.logprobs:
-            tokenizer = self.generation.loaded_tokenizer()
-            echo_prompt = echo_logprobs.echo_prompt(echo, plan.prompt_token_ids, tokenizer, gen.input == "text")
+    def openai_answer(self, req: OpenAIRequest, model: str, plan: Plan | Plans) -> OpenAIAnswer:
+        """Completions (one prompt or several: ``Plans``) or chat (messages)."""
+        plans = plan.plans if isinstance(plan, Plans) else [plan]
+        echoes = [self._echo(req, gen, p) for gen, p in zip(req.prompts or [req.input], plans, strict=True)]
         return OpenAIAnswer(
-            chat=gen.input == "messages",
+            chat=req.input.input == "messages",
             model=model,
-            n=plan.n,
-            num_prompt_tokens=len(plan.prompt_token_ids),
+            n=plans[0].n,
+            num_prompt_tokens=[len(p.prompt_token_ids) for p in plans],
             logprobs=req.logprobs,
-            echo=echo,
+            echoes=echoes,
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
-            echo_prompt=echo_prompt,
             num_logprobs=req.num_logprobs,
             echo_only=req.echo_only,
             num_prompt_logprobs=req.num_prompt_logprobs,
         )
+
+    def _echo(self, req: OpenAIRequest, gen: GenerateInput, plan: Plan) -> Echo:
+        """Completions ``echo``: the prompt as text (as sent, or its token ids decoded), and
+        with ``logprobs`` its tokens' places in that text."""
+        if not req.echo:
+            return Echo()
+        text = gen.text if gen.input == "text" else self._decode(gen.token_ids)
+        if not req.logprobs:
+            return Echo(text)
+        tokenizer = self.generation.loaded_tokenizer()
+        return Echo(text, echo_prompt(text, plan.prompt_token_ids, tokenizer, gen.input == "text"))
 
     def responses_request(self, body: Any) -> ResponsesRequest:
         return responses_request(body, self.responses)

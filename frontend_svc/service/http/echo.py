@@ -34,6 +34,15 @@ class EchoPrompt:
     offsets: list[int]  # text_offset of each prompt token in the echoed text
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completions choice's echo: its prompt's text ("" without ``echo``) and, with
+    ``logprobs``, where its tokens lie in that text."""
+
+    text: str = ""
+    prompt: EchoPrompt | None = None
+
+
 def echo_prompt(text: str, token_ids: Sequence[int], tokenizer: Tokenizer, skip_special_tokens: bool) -> EchoPrompt:
     """``text``: the prompt as echoed (a text prompt as sent: ``skip_special_tokens``, since
     a BOS the tokenizer added is not in it; token ids decoded with their special tokens).

@@ -7,6 +7,7 @@
         body ── convert ──▶ request (.input: GenerateInput, .model, .stream)
              ── GenerateCall.plan ──▶ Plan           (service/generate_call.py, as for gRPC)
              ── answer(request, model, plan) ──▶ Answer
+        (a completions request with several prompts: a call per prompt, one answer; prompts.py)
         stream: false   the pieces added to the answer, cancelled if the client goes away; one JSON body
         stream: true    server-sent events: the answer's start events, its events per piece (paced,
                         pinged while none comes), its end events; an error after the first byte as the
@@ -37,7 +38,8 @@ from frontend_svc.service.http.dialect import Dialect
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import unencodable_field
 from frontend_svc.service.http.pacing import Pacer, paced
-from frontend_svc.service.planning import GenerateInput, Plan, RequestSizes
+from frontend_svc.service.http.prompts import PromptCalls
+from frontend_svc.service.planning import GenerateInput, RequestSizes
 from frontend_svc.text.output_processor import ChoiceOutput
 from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
@@ -103,15 +105,21 @@ class Endpoints:
         path: str,
         dialect: Dialect,
         convert: Callable[[Any], Converted],
-        answer: Callable[[Any, str, Plan], Answer],
+        answer: Callable[[Any, str, Any], Answer],  # its plan: a Plan, or Plans for several prompts
     ) -> Route:
         async def handler(request: Request, body: Any) -> Response:
             req = convert(body)
             request_id = request.headers.get("x-request-id", "")
             attributes = {"http.request.method": request.method, "http.route": request.url.path}
-            call = GenerateCall(self.generation, caller_of(request), request_id, attributes)
+
+            def new_call() -> GenerateCall:
+                return GenerateCall(self.generation, caller_of(request), request_id, attributes)
+
+            # Several prompts (completions): a call each, one answer (prompts.py).
+            inputs = [call_input(gen, req.model) for gen in getattr(req, "prompts", None) or [req.input]]
+            call: GenerateCall | PromptCalls = new_call() if len(inputs) == 1 else PromptCalls(new_call, len(inputs))
             try:
-                plan = await call.plan(call_input(req.input, req.model))
+                plan: Any = await (call.plan(inputs) if isinstance(call, PromptCalls) else call.plan(inputs[0]))
                 reply = answer(req, call.model, plan)
                 if not req.stream:
                     await until_disconnect(request, _collect(call.pieces(plan), reply))
@@ -124,7 +132,7 @@ class Endpoints:
         return self.route(path, dialect, handler)
 
     async def _events(
-        self, call: GenerateCall, plan: Plan, answer: Answer, dialect: Dialect
+        self, call: GenerateCall | PromptCalls, plan: Any, answer: Answer, dialect: Dialect
     ) -> AsyncGenerator[bytes, None]:
         try:
             for name, obj in answer.start_events():
@@ -211,7 +219,7 @@ class CallStream(StreamingResponse):
     away before the first chunk leaves the body generator unstarted, and the call's pieces
     (which end it) never run; this one ends it."""
 
-    def __init__(self, content: AsyncGenerator[bytes, None], call: GenerateCall) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None], call: GenerateCall | PromptCalls) -> None:
         super().__init__(content, media_type="text/event-stream", headers=sse.HEADERS)
         self.call = call
         self._content = content  # an async generator

@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from frontend_svc.service.http.echo import EchoPrompt, completion_top, echo_logprobs
+from frontend_svc.service.http.echo import Echo, completion_top, echo_logprobs
 from frontend_svc.service.http.openai_tools import call_delta, message_call
 from frontend_svc.text.message_parser import AssistantMessage
 from frontend_svc.text.output_processor import ChoiceOutput, LogprobText
@@ -102,6 +102,8 @@ def prompt_logprobs(lps: list[LogprobText], num_top: int | None = None) -> list[
 
 @dataclass
 class _Choice:
+    prompt: int = 0  # the index of its prompt (completions with several)
+    echo: Echo = field(default_factory=Echo)
     text: list[str] = field(default_factory=list)
     logprobs: list[LogprobText] = field(default_factory=list)
     prompt_logprobs: list[LogprobText] = field(default_factory=list)
@@ -120,23 +122,23 @@ class OpenAIAnswer:
         chat: bool,
         model: str,
         n: int,
-        num_prompt_tokens: int,
+        num_prompt_tokens: int | list[int],
         logprobs: bool,
-        echo: str = "",
+        echoes: list[Echo] | None = None,
         include_usage: bool = False,
         continuous_usage: bool = False,
-        echo_prompt: EchoPrompt | None = None,
         num_logprobs: int | None = None,
         echo_only: bool = False,
         num_prompt_logprobs: int | None = None,
     ):
-        """``echo_prompt``: the echoed prompt's logprobs go first (completions echo with
-        logprobs; its alternatives cut to ``num_logprobs``); ``echo_only``: the prompt alone is
-        the answer (``max_tokens: 0``), the one generated token is left out;
+        """``n`` choices per prompt, ``num_prompt_tokens`` each prompt's (one or a list:
+        completions with several prompts, choice i's prompt i // n). ``echoes``: each
+        prompt's completions echo; with its EchoPrompt the echoed prompt's logprobs go first
+        (their alternatives cut to ``num_logprobs``); ``echo_only``: the prompt alone is the
+        answer (``max_tokens: 0``), the one generated token is left out;
         ``num_prompt_logprobs``: the client's ``prompt_logprobs`` (None: the field is not
         answered, though the engine may have sent them for the echo)."""
         self.chat = chat
-        self.echo_prompt = echo_prompt
         self.num_logprobs = num_logprobs
         self.echo_only = echo_only
         self.num_prompt_logprobs = num_prompt_logprobs
@@ -145,21 +147,28 @@ class OpenAIAnswer:
         self._chunk_usage = True if continuous_usage else False if include_usage else None
         self.model = model
         self.logprobs = logprobs
-        self.echo = echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.num_prompt_tokens = num_prompt_tokens
-        self.choices = [_Choice(offset=len(echo)) for _ in range(n)]
+        self.prompt_tokens = num_prompt_tokens if isinstance(num_prompt_tokens, list) else [num_prompt_tokens]
+        self.num_prompt_tokens = sum(self.prompt_tokens)
+        echoes = echoes or [Echo()] * len(self.prompt_tokens)
+        self.choices = [
+            _Choice(prompt=k, echo=echo, offset=len(echo.text)) for k, echo in enumerate(echoes) for _ in range(n)
+        ]
         self.object = "chat.completion" if chat else "text_completion"
 
     # -- usage ----------------------------------------------------------------------------
 
     def usage(self) -> dict:
-        """Prompt tokens once (n choices share the prompt), completion tokens over all choices."""
+        """Each prompt's tokens once (its n choices share it), completion tokens over all
+        choices; cached: each prompt's best choice."""
         usages = [c.last.usage if c.last is not None else None for c in self.choices]
         completion = sum(u.completion_tokens if u is not None else c.num_tokens for u, c in zip(usages, self.choices))
         completion = 0 if self.echo_only else completion
-        cached = max((u.cached_tokens for u in usages if u is not None), default=0)
+        cached = sum(
+            max((u.cached_tokens for u, c in zip(usages, self.choices) if u is not None and c.prompt == k), default=0)
+            for k in range(len(self.prompt_tokens))
+        )
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion,
@@ -193,10 +202,11 @@ class OpenAIAnswer:
             choice["logprobs"] = {"content": chat_logprobs(piece.logprobs)} if self.logprobs else None
         else:
             echo = None
-            if self.echo and not c.role_sent:  # the prompt goes before the first piece, which has its logprobs
-                text = self.echo + text
+            # The prompt goes before the choice's first piece, which has its logprobs.
+            if (c.echo.text or c.echo.prompt is not None) and not c.role_sent:
+                text = c.echo.text + text
                 c.role_sent = True
-                echo = self._echo_logprobs(piece.prompt_logprobs)
+                echo = self._echo_logprobs(c.echo, piece.prompt_logprobs)
             choice["text"] = text
             choice["logprobs"] = completion_logprobs(lps, c.offset, echo) if self.logprobs else None
             c.offset += sum(len(lp.token) for lp in lps)
@@ -251,9 +261,9 @@ class OpenAIAnswer:
                 choice["logprobs"] = {"content": chat_logprobs(c.logprobs)} if self.logprobs else None
             else:
                 lps = [] if self.echo_only else c.logprobs
-                choice["text"] = self.echo + ("" if self.echo_only else text)
-                echo = self._echo_logprobs(c.prompt_logprobs)
-                choice["logprobs"] = completion_logprobs(lps, len(self.echo), echo) if self.logprobs else None
+                choice["text"] = c.echo.text + ("" if self.echo_only else text)
+                echo = self._echo_logprobs(c.echo, c.prompt_logprobs)
+                choice["logprobs"] = completion_logprobs(lps, len(c.echo.text), echo) if self.logprobs else None
             choice["finish_reason"] = finish_reason(c.last)
             choice["stop_reason"] = stop_reason(c.last)
             shown = self._prompt_logprobs(c.prompt_logprobs)
@@ -267,10 +277,10 @@ class OpenAIAnswer:
         body["usage"] = self.usage()
         return body
 
-    def _echo_logprobs(self, lps: list[LogprobText]) -> dict | None:
-        if self.echo_prompt is None:
+    def _echo_logprobs(self, echo: Echo, lps: list[LogprobText]) -> dict | None:
+        if echo.prompt is None:
             return None
-        return echo_logprobs(self.echo_prompt, lps, self.num_logprobs, logprob_value)
+        return echo_logprobs(echo.prompt, lps, self.num_logprobs, logprob_value)
 
     def _prompt_logprobs(self, lps: list[LogprobText]) -> list[dict | None] | None:
         if not lps or self.num_prompt_logprobs is None:

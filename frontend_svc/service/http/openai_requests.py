@@ -17,12 +17,13 @@ calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, tool turns) is rea
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_tools import message_extras, tool_request
+from frontend_svc.service.http.prompts import completion_prompts
 from frontend_svc.service.planning import Chat, GenerateInput
 from frontend_svc.text.nesting import too_deep
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
@@ -40,6 +41,7 @@ class OpenAIRequest:
     num_logprobs: int | None = None  # completions' logprobs: alternatives per token
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (echo.py)
     num_prompt_logprobs: int | None = None  # the client's own prompt_logprobs (None: not answered)
+    prompts: list[GenerateInput] = field(default_factory=list)  # completions: every prompt (input: the first)
 
 
 def completion_request(body) -> OpenAIRequest:
@@ -55,26 +57,17 @@ def completion_request(body) -> OpenAIRequest:
     if echo and num_logprobs is not None:  # every choice's logprobs start with the prompt's
         gen.params = replace(gen.params, prompt_logprobs=max(num_logprobs, num_prompt_logprobs or 0))
         gen.prompt_logprobs_each_choice = True
-    # One prompt per request: a string, an array of token ids, or an array holding one of them.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        gen.input, gen.text = "text", prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        gen.input, gen.token_ids = "token_ids", list(prompt)
-    elif prompt is None:
-        raise bad_request("prompt", "is required: a string or an array of token ids")
-    else:
-        raise bad_request("prompt", "must be a string or an array of token ids (one prompt per request)")
     gen.add_special_tokens = f.bool("add_special_tokens", True)
+    prompts = completion_prompts(prompt, gen)  # one or several (prompts.py)
     return OpenAIRequest(
-        gen,
+        prompts[0],
         f.str("model"),
         echo=echo,
         logprobs=num_logprobs is not None,
         num_logprobs=num_logprobs,
         echo_only=echo_only,
         num_prompt_logprobs=num_prompt_logprobs,
+        prompts=prompts,
         **_stream(f),
     )
 
