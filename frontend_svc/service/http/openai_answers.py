@@ -12,7 +12,8 @@ name the token itself first (so ``logprobs: 0`` names it, as vLLM does) and whic
 per choice in completions and at the top level of a chat answer, as vLLM places it. A
 log-probability of -inf (a token the sampler masked) is written as -9999.0, as vLLM does:
 JSON has no -inf.
-The first chunk of each chat choice carries ``role``. finish_reason is ``stop``,
+The first chunk of each chat choice carries ``role``; its last, with finish_reason, has
+``"delta": {}`` (the last piece's text goes in a chunk before it), as OpenAI streams. finish_reason is ``stop``,
 ``length`` or ``tool_calls``; ``stop_reason`` (a vLLM extra) names the stop string or stop
 token id that ended the choice. With tools or a reasoning parser, chat deltas carry
 ``tool_calls`` pieces and ``reasoning_content`` beside ``content``, and the whole message
@@ -192,7 +193,9 @@ class OpenAIAnswer:
             if not c.role_sent:
                 delta["role"] = "assistant"
                 c.role_sent = True
-            if text or not (piece.reasoning or piece.tool_calls):
+            # The role's chunk opens the content with ""; later ones carry content only when
+            # they have some, so a last chunk's delta is {} (OpenAI's shape, which clients check).
+            if text or ("role" in delta and not (piece.reasoning or piece.tool_calls)):
                 delta["content"] = text
             if piece.reasoning:
                 delta["reasoning_content"] = piece.reasoning
@@ -233,7 +236,17 @@ class OpenAIAnswer:
         return []
 
     def events(self, piece: ChoiceOutput) -> list[tuple[str, dict]]:
-        return [("", self.chunk(piece, usage=self._chunk_usage))]  # OpenAI's events have no names
+        body = self.chunk(piece, usage=self._chunk_usage)
+        choice = body["choices"][0]
+        if not (self.chat and choice["finish_reason"] is not None and choice["delta"]):
+            return [("", body)]  # OpenAI's events have no names
+        # A chat choice ends with a chunk of its own, "delta": {} beside finish_reason, as
+        # OpenAI sends it: the last piece's text or calls go first, in a chunk without it.
+        end = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        end["stop_reason"] = choice.pop("stop_reason", None)
+        choice["finish_reason"] = None
+        last = {key: value for key, value in body.items() if key != "prompt_logprobs"} | {"choices": [end]}
+        return [("", body), ("", last)]
 
     def end_events(self) -> list[tuple[str, dict]]:
         return [("", self.usage_chunk())] if self.include_usage else []

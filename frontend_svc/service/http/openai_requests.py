@@ -131,6 +131,7 @@ def _stream(f: Fields) -> dict:
     options = f.object("stream_options")
     include = options.bool("include_usage", False) if options is not None else False
     continuous = options.bool("continuous_usage_stats", False) if options is not None else False
+    continuous = include and continuous  # only beside include_usage, as vLLM reads it
     if options is not None and not stream:
         raise bad_request("stream_options", "is only allowed with stream: true")
     return {"stream": stream, "include_usage": include, "continuous_usage": continuous}
