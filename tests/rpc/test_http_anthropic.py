@@ -47,8 +47,9 @@ def test_a_message_matches_the_grpc_chat(client, model, served):
     responses = _grpc_text(served, 12)
     assert message.content[0].type == "text" and message.content[0].text == "".join(r.text for r in responses)
     assert message.role == "assistant" and message.model == model
-    usage = responses[-1].usage
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    usage, mine = responses[-1].usage, message.usage
+    prompt_tokens = mine.input_tokens + mine.cache_read_input_tokens + mine.cache_creation_input_tokens
+    assert (prompt_tokens, mine.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
     expected = "max_tokens" if responses[-1].finish_reason == g.FINISH_REASON_LENGTH else "end_turn"
     assert message.stop_reason == expected
 
@@ -75,7 +76,24 @@ def test_stop_sequences_and_system(client, model):
 def test_count_tokens_is_the_prompt_of_the_message(client, model):
     counted = client.messages.count_tokens(model=model, messages=MESSAGES)
     message = client.messages.create(model=model, max_tokens=1, messages=MESSAGES)
-    assert counted.input_tokens == message.usage.input_tokens > 0
+    usage = message.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens > 0
+
+
+def test_usage_counts_the_prompt_served_from_the_prefix_cache(client, model):
+    """Anthropic's usage splits the prompt: input_tokens computed, cache_read_input_tokens
+    from the cache (Tandem's prefix cache), cache_creation_input_tokens written on request."""
+    messages = [{"role": "user", "content": "Describe the river that runs past the old mill, " * 8}]
+    counted = client.messages.count_tokens(model=model, messages=messages).input_tokens
+    client.messages.create(model=model, max_tokens=2, messages=messages, extra_body=GREEDY)  # fills the cache
+    again = client.messages.create(model=model, max_tokens=2, messages=messages, extra_body=GREEDY).usage
+    assert again.cache_read_input_tokens > 0 and again.cache_creation_input_tokens == 0
+    assert again.input_tokens + again.cache_read_input_tokens == counted
+    with client.messages.stream(model=model, max_tokens=2, messages=messages, extra_body=GREEDY) as stream:
+        deltas = [e.usage for e in stream if e.type == "message_delta"]
+        final = stream.get_final_message().usage
+    assert deltas[-1].cache_read_input_tokens == final.cache_read_input_tokens == again.cache_read_input_tokens
+    assert final.input_tokens == again.input_tokens
 
 
 def test_errors_come_in_anthropics_shape(client, model, served):

@@ -131,7 +131,20 @@ class AnthropicAnswer:
             "content": content,
             "stop_reason": None if last is None else _stop_reason(last),
             "stop_sequence": None if last is None else last.stop_str,
-            "usage": {"input_tokens": self.num_prompt_tokens, "output_tokens": self.num_tokens},
+            "usage": {**self._input_usage(), "output_tokens": self.num_tokens},
+        }
+
+    def _input_usage(self) -> dict[str, int]:
+        """Anthropic counts the prompt in parts: ``input_tokens`` computed, plus
+        ``cache_read_input_tokens`` served from the prefix cache, plus
+        ``cache_creation_input_tokens`` written on request (Tandem caches every full block by
+        itself, never on request: 0). The cached count is known once the choice ends; until
+        then (message_start) the whole prompt counts as input."""
+        cached = self.last.usage.cached_tokens if self.last is not None and self.last.usage is not None else 0
+        return {
+            "input_tokens": self.num_prompt_tokens - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
         }
 
     def add(self, piece: ChoiceOutput) -> None:
@@ -170,7 +183,7 @@ class AnthropicAnswer:
             if self.blocks is None:
                 out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
             stop: dict[str, str | None] = {"stop_reason": _stop_reason(piece), "stop_sequence": piece.stop_str}
-            usage = {"output_tokens": self.num_tokens}
+            usage = {**self._input_usage(), "output_tokens": self.num_tokens}  # final, as Anthropic's
             out.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))
             out.append(("message_stop", {"type": "message_stop"}))
         return out
