@@ -46,6 +46,7 @@ from engine_svc.model.lora import LoraAdapter, LoraError, LoraSlots, read_adapte
 from engine_svc.outputs import EngineOutput, LoraAdapterInfo
 from engine_svc.sched.request import Request
 from engine_svc.types import ErrorCode, RequestError
+from tandem_common.block_hash import salted
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,8 @@ class LoraRegistry:
         slot_and_digest = self._slot_of(request.lora_name)
         if isinstance(slot_and_digest, RequestError):
             return slot_and_digest
-        request.lora_slot, request.cache_salt = slot_and_digest
+        request.lora_slot, digest = slot_and_digest
+        request.cache_salt = salted(digest, request.client_cache_salt)
         self._users[request.request_id] = request.lora_name
         self._num_users[request.lora_name] += 1
         return None

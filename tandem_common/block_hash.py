@@ -13,7 +13,9 @@ mean equal prefixes, and an engine that holds h2 can serve the first 12 tokens o
 prompt whose third block hashes to h2. ``BLOCK_HASH_ALGORITHM`` names this definition on
 the wire (GetModelInfo): a frontend predicts only for engines that hash the way it does.
 A request under a LoRA adapter chains its first block to the adapter's digest instead of
-to nothing (``LORA_BLOCK_HASH_ALGORITHM``).
+to nothing (``LORA_BLOCK_HASH_ALGORITHM``). A request with a cache salt (a tenant's
+secret) chains it to ``salted(that parent, salt)``: no block is shared across salts, so
+one tenant cannot learn from timing whether another's prompt is cached.
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ LORA_BLOCK_HASH_ALGORITHM = "sha256-chain-int64le+lora-digest"
 BLOCK_HASH_ALGORITHMS = (BLOCK_HASH_ALGORITHM, LORA_BLOCK_HASH_ALGORITHM)  # what a frontend predicts for
 
 _ITEM_BYTES = array("q").itemsize  # 8
+
+MAX_CACHE_SALT_BYTES = 1024  # a request's cache salt, UTF-8 (checked by the frontend)
+_SALT_DOMAIN = b"tandem-cache-salt\0"  # a salted parent is never a bare adapter digest
+
+
+def salted(parent: BlockHash | None, cache_salt: str | None) -> BlockHash | None:
+    """The parent of a request's first block hash: ``parent`` (an adapter's digest, None for
+    the base model) with the request's cache salt mixed in; unchanged without one. Both
+    services apply it the same way, so the frontend's predictions match the engine's hits."""
+    if not cache_salt:
+        return parent
+    # Fixed-length prefix (domain, then a 32-byte digest or 32 zero bytes): unambiguous.
+    return hashlib.sha256(_SALT_DOMAIN + (parent or bytes(32)) + cache_salt.encode()).digest()
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from engine_svc.outputs import EngineOutput
 from engine_svc.types import FinishReason, Logprob, RequestError, SamplingParams
+from tandem_common.block_hash import salted
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +47,7 @@ class Request:
         client_request_id: str | None = None,
         lora_name: str | None = None,
         stream_id: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id  # unique in the engine
         # The id its client gave it (unique per stream only); logs and traces show it.
@@ -62,11 +64,13 @@ class Request:
         # The compiled output constraint, set by EngineCore before the request is queued
         # (engine_svc/grammar_compiler.py); opaque here.
         self.grammar: object | None = None
-        # The LoRA adapter it runs under (None: the base model), its slot and its digest, the
-        # parent of its first block's hash (tandem_common/block_hash.py); set at admission.
+        # The LoRA adapter it runs under (None: the base model) and its slot, set at admission;
+        # the client's cache salt; the parent of its first block's hash, both of them mixed:
+        # salted(the adapter's digest, the salt) (tandem_common/block_hash.py).
         self.lora_name = lora_name
         self.lora_slot: int | None = None
-        self.cache_salt: bytes | None = None
+        self.client_cache_salt = cache_salt
+        self.cache_salt: bytes | None = salted(None, cache_salt)
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

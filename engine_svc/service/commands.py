@@ -37,6 +37,7 @@ class AddCommand:
     arrival_time: float | None = None
     trace_context: dict[str, str] | None = None
     lora_name: str | None = None  # the LoRA adapter it runs under; None: the base model
+    cache_salt: str | None = None  # mixed into its block hashes (tandem_common/block_hash.py)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ def add_command(add: pb.Add) -> AddCommand:
         arrival_time=add.arrival_time or None,
         trace_context=dict(add.trace_context),
         lora_name=add.lora_name or None,
+        cache_salt=add.cache_salt or None,
     )
 
 

@@ -390,6 +390,7 @@ class EngineLoop:
             trace_context=cmd.trace_context,
             client_request_id=cmd.request_id,
             lora_name=cmd.lora_name,
+            cache_salt=cmd.cache_salt,
             stream_id=stream_id,
         )
         stream.live[cmd.request_id] = engine_id

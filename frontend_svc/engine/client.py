@@ -434,6 +434,7 @@ class EngineClient:
         num_prefill_tokens: int | None = None,
         lora_name: str | None = None,
         max_pending_bytes: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue a request on this engine's stream; outputs arrive on the returned handle,
         which wakes its reader once ``stream_interval`` tokens are pending (see RequestHandle).
@@ -452,6 +453,7 @@ class EngineClient:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             trace_context=trace_context or {},
             lora_name=lora_name,
+            cache_salt=cache_salt,
         )
         convert.check_size(message, self._max_message_bytes)
         handle = RequestHandle(request_id, wakeup, stream_interval, max_pending_bytes)

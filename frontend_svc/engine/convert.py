@@ -44,6 +44,7 @@ def add_request(
     arrival_time: float,
     trace_context: dict[str, str],
     lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> engine_pb2.StreamRequest:
     add = engine_pb2.Add(
         request_id=request_id,
@@ -53,6 +54,7 @@ def add_request(
         arrival_time=arrival_time,
         trace_context=trace_context,
         lora_name=lora_name or "",
+        cache_salt=cache_salt or "",
     )
     return engine_pb2.StreamRequest(add=add)
 

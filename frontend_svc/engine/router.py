@@ -37,7 +37,7 @@ from frontend_svc.engine.routing import (
 )
 from frontend_svc.engine.watchdog import DEFAULT_PROGRESS_FACTOR, DEFAULT_PROGRESS_FLOOR_S, Pace
 from frontend_svc.types import EngineUnavailableError, ModelIdentity, ModelInfo, UnknownModelError
-from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks
+from tandem_common.block_hash import BlockHash, hash_blocks, max_hit_blocks, salted
 
 logger = logging.getLogger(__name__)
 
@@ -51,21 +51,24 @@ class PromptBlocks:
     """A request's prompt as routing sees it: its block hashes, made once per block size,
     on first use, and kept for a retry on another engine."""
 
-    def __init__(self, token_ids: list[int], *, prompt_logprobs: bool = False) -> None:
+    def __init__(self, token_ids: list[int], *, prompt_logprobs: bool = False, cache_salt: str | None = None) -> None:
         self.token_ids = token_ids
         self.prompt_logprobs = prompt_logprobs  # such requests hit nothing (the engine's rule)
+        self.cache_salt = cache_salt  # mixed into the first block's parent, as the engine mixes it
         self._hashes: dict[tuple[int, bytes | None], list[BlockHash]] = {}
 
     async def hashes(self, block_size: int, salt: bytes | None = None) -> list[BlockHash]:
         """Hashes of the leading blocks an engine's prefix cache could serve (max_hit_blocks),
-        the first chained to ``salt`` (a LoRA adapter's digest; None for the base model)."""
+        the first chained to ``salt`` (a LoRA adapter's digest; None for the base model) with
+        the request's cache salt mixed in."""
         hashes = self._hashes.get((block_size, salt))
         if hashes is None:
             n = max_hit_blocks(len(self.token_ids), block_size, prompt_logprobs=self.prompt_logprobs)
+            parent = salted(salt, self.cache_salt)
             if n * block_size > HASH_OFF_LOOP_TOKENS:
-                hashes = await asyncio.to_thread(hash_blocks, self.token_ids, block_size, n, salt)
+                hashes = await asyncio.to_thread(hash_blocks, self.token_ids, block_size, n, parent)
             else:
-                hashes = hash_blocks(self.token_ids, block_size, n, salt)
+                hashes = hash_blocks(self.token_ids, block_size, n, parent)
             self._hashes[(block_size, salt)] = hashes
         return hashes
 

@@ -76,6 +76,7 @@ def generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         return_token_ids=request.return_token_ids,
         priority=request.priority,
         tools=tool_request(request),
+        cache_salt=request.cache_salt or None,
     )
 
 

@@ -165,7 +165,9 @@ class Generation:
         fails before anything was yielded. ``on_done`` registers a callback to run when the
         caller's call ends (gRPC: ``context.add_done_callback``); it aborts what still runs."""
         # Choices 1..n-1 ask for prompt logprobs only when each choice does: else some choice can hit.
-        prompt = PromptBlocks(plan.prompt_token_ids, prompt_logprobs=plan.every_choice_misses)
+        prompt = PromptBlocks(
+            plan.prompt_token_ids, prompt_logprobs=plan.every_choice_misses, cache_salt=plan.cache_salt
+        )
         sent = False
         tried: list[EngineClient] = []
         failure: Exception | None = None
@@ -232,6 +234,7 @@ class Generation:
                         stream_interval=self.stream_interval,
                         num_prefill_tokens=num_prefill_tokens,
                         lora_name=plan.lora_name,
+                        cache_salt=plan.cache_salt,
                         max_pending_bytes=self.calls.pending_share(plan.n),
                     )
                 )

@@ -28,6 +28,7 @@ from frontend_svc.text.output_processor import TextParams
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.text.tools.spec import MAX_TOOLS, ToolRequest
 from frontend_svc.types import CallError, ModelInfo
+from tandem_common.block_hash import MAX_CACHE_SALT_BYTES
 from tandem_common.sampling import SamplingParams, check_sampling_params
 from tandem_common.sampling import check_sizes as check_sampling_sizes
 from tandem_common.types import ErrorCode
@@ -130,6 +131,7 @@ class GenerateInput:
     # logprobs: each choice's logprobs start with the prompt's). Each such choice computes
     # its prompt in full: the engine serves prompt logprobs from no cached block.
     prompt_logprobs_each_choice: bool = False
+    cache_salt: str | None = None  # the prefix cache shared only with the same salt (block_hash.salted)
 
 
 @dataclass
@@ -143,6 +145,7 @@ class Plan:
     priority: int
     lora_name: str | None = None  # the LoRA adapter to run under; None: the base model
     prompt_logprobs_each_choice: bool = False  # GenerateInput's
+    cache_salt: str | None = None  # GenerateInput's, checked
 
     def engine_params(self, i: int) -> SamplingParams:
         if i == 0:
@@ -248,9 +251,22 @@ def plan_generate(
         prompt_logprobs=params.prompt_logprobs is not None,
         message=message,
     )
+    check_cache_salt(request.cache_salt)
     return Plan(
-        prompt, request.n, params, text, request.priority, request.lora_name, request.prompt_logprobs_each_choice
+        prompt,
+        request.n,
+        params,
+        text,
+        request.priority,
+        request.lora_name,
+        request.prompt_logprobs_each_choice,
+        request.cache_salt,
     )
+
+
+def check_cache_salt(salt: str | None) -> None:
+    if salt is not None and len(salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise invalid("cache_salt", f"is {len(salt.encode())} bytes; the limit is {MAX_CACHE_SALT_BYTES}")
 
 
 def _too_long(num_tokens: int, max_model_len: int) -> str:

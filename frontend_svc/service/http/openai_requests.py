@@ -163,6 +163,7 @@ def _sampling(f: Fields, *, logprobs: int | None) -> GenerateInput:
     )
     return GenerateInput(
         input=None,
+        cache_salt=cache_salt(f),
         params=params,
         max_tokens_set=max_tokens is not None,
         n=f.int("n", 1),
@@ -171,6 +172,20 @@ def _sampling(f: Fields, *, logprobs: int | None) -> GenerateInput:
         skip_special_tokens=f.bool("skip_special_tokens", True),
         priority=f.int("priority", 0),
     )
+
+
+def cache_salt(f: Fields) -> str | None:
+    """vLLM's ``cache_salt``: this request's prompt shares prefix-cache blocks only with
+    requests of the same salt. ``session_id`` (vLLM's, for sessions Tandem does not keep) is
+    refused rather than ignored."""
+    if f.has("session_id"):
+        raise bad_request(
+            "session_id", "is not served: Tandem keeps no sessions; send the conversation, and cache_salt to isolate it"
+        )
+    salt = f.str("cache_salt")
+    if salt == "":
+        raise bad_request("cache_salt", "must be a non-empty string when given")
+    return salt
 
 
 def _logit_bias(f: Fields) -> dict[int, float]:
