@@ -115,3 +115,60 @@ def test_pythonic_and_grammar_answers_cannot_be_forced():
         tools_grammar(FORMATS["pythonic"], REQUIRED, None, lambda _: None)
     with pytest.raises(ForcingError, match="grammar constraint"):
         tools_grammar(FORMATS["hermes"], ToolRequest(TOOLS), StructuredOutput("grammar", "start: x"), lambda _: None)
+
+
+# A pydantic model with a nested one, as model_json_schema() writes it: the nested model in
+# $defs, referenced from the root; and a tree that refers to itself.
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+PERSON = {
+    "$defs": {"Address": ADDRESS},
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"}},
+    "required": ["name", "home"],
+}
+TREE = {
+    "definitions": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#/definitions/Node"}},
+            },
+            "required": ["v"],
+        }
+    },
+    "$ref": "#/definitions/Node",
+}
+
+
+@pytest.mark.parametrize("fmt", [*FORCEABLE, "mistral_named"])
+def test_schemas_with_references_are_forced_where_their_refs_point(llg_tokenizer, fmt):
+    tools = (ToolSpec("save_person", parameters=json.dumps(PERSON)), ToolSpec("save_tree", parameters=json.dumps(TREE)))
+    form = FORMATS["mistral"].for_template("[ARGS]") if fmt == "mistral_named" else FORMATS[fmt]
+    grammar = tools_grammar(form, ToolRequest(tools, ToolChoice("required")), None, lambda _: None)
+    person = {"name": "Ada", "home": {"city": "London"}}
+    tree = {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}
+    if fmt == "mistral_named":
+        ok = f"[TOOL_CALLS]save_person[ARGS]{json.dumps(person, separators=(',', ':'))}"
+        bad = '[TOOL_CALLS]save_person[ARGS]{"name":"Ada","home":{"town":"x"}}'
+    else:
+        ok = written(fmt, [("save_person", person), ("save_tree", tree)])
+        bad = written(fmt, [("save_person", {"name": "Ada", "home": {"city": 3}})])
+    assert accepts(llg_tokenizer, grammar, ok)
+    assert not accepts(llg_tokenizer, grammar, bad)
+
+
+def test_forced_objects_take_only_the_keys_their_schema_lists(llg_tokenizer):
+    tools = (
+        ToolSpec("save_person", parameters=json.dumps(PERSON)),
+        ToolSpec("tag", parameters=json.dumps({"type": "object", "properties": {"labels": {"type": "object"}}})),
+        ToolSpec("note", parameters=json.dumps({**CITY, "additionalProperties": True})),
+    )
+    grammar = tools_grammar(FORMATS["json"], ToolRequest(tools, ToolChoice("required")), None, lambda _: None)
+    extra_root = {"name": "Ada", "home": {"city": "x"}, "age": 3}
+    extra_nested = {"name": "Ada", "home": {"city": "x", "zip": "1"}}
+    assert not accepts(llg_tokenizer, grammar, written("json", [("save_person", extra_root)]))
+    assert not accepts(llg_tokenizer, grammar, written("json", [("save_person", extra_nested)]))
+    # What the schema leaves open stays open: a free-form object, additionalProperties true.
+    assert accepts(llg_tokenizer, grammar, written("json", [("tag", {"labels": {"any": 1}})]))
+    assert accepts(llg_tokenizer, grammar, written("json", [("note", {"city": "x", "mood": "ok"})]))

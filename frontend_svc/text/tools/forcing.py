@@ -3,9 +3,18 @@
 The engine's sampler enforces the grammar token by token, so a forced output is always
 the calls the format's parser reads, with arguments valid against each tool's schema.
 Each format writes its own ``calls`` rule from a ``Forced`` (its row in formats.py), most
-of them from one ``call`` rule:
+of them from one ``call`` rule, one branch per allowed tool:
 
-    call: %json {"name": <const>, "<arguments key>": <the tool's schema>}   (any allowed tool)
+    call: call_0 | call_1 ...
+    call_0: "{\"name\":\"get_weather\",\"<arguments key>\":" args_0 "}"
+    args_0: %json {<the tool's arguments schema>}
+
+Each tool's arguments are a ``%json`` of their own, so the schema is the root of its own
+compile and its references (``#/$defs/Address``, ``#/definitions/...``, ``#``) resolve
+where the tool's author wrote them; inside one wrapper object they would point at the
+wrapper and fail. Recursive schemas compile to recursive rules, never an unbounded walk.
+The arguments schema has its objects closed (schema.py): a forced call takes the keys
+its schema lists and no others, unless the schema leaves them open.
 
 A tag that is a special token of the tokenizer is written as that token (``<[id]>``), the
 way the model emits it; otherwise as text.
@@ -26,6 +35,7 @@ from typing import Any
 
 from tandem_common.sampling import StructuredOutput
 
+from .schema import close_objects
 from .spec import ToolRequest, ToolSpec
 
 _EXACT = {"whitespace_flexible": False, "lenient": True}
@@ -41,7 +51,7 @@ class Forced:
 
     tools: tuple[ToolSpec, ...]  # the tools a call may name
     many: bool  # more than one call allowed
-    call: str  # the rule of one call object in the format's arguments key
+    call: str  # the rules of one call object in the format's arguments key (``call`` and its branches)
     tag: Callable[[str], str]  # a tag as the grammar writes it
 
 
@@ -49,24 +59,25 @@ class Forced:
 CallsRule = Callable[[Forced], list[str]]
 
 
-def call_schema(request: ToolRequest, arguments_key: str) -> dict[str, Any]:
-    """The JSON Schema of one call object of any allowed tool."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, arguments_key: t.schema()},
-            "required": ["name", arguments_key],
-            "additionalProperties": False,
-        }
-        for t in request.forced_tools()
-    ]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": _EXACT}
+def call_rules(request: ToolRequest, arguments_key: str) -> str:
+    """The Lark rules of one call object of any allowed tool: ``call`` and one branch per tool,
+    written compact, as the arguments' ``%json`` writes them."""
+    tools = request.forced_tools()
+    lines = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+    for i, t in enumerate(tools):
+        head = "{" + json.dumps("name") + ":" + json.dumps(t.name) + "," + json.dumps(arguments_key) + ":"
+        lines += [f'call_{i}: {json.dumps(head)} args_{i} "}}"', f"args_{i}: {arguments_rule(t)}"]
+    return "\n".join(lines)
 
 
 def arguments_schema(tool: ToolSpec) -> dict[str, Any]:
-    """The schema of one tool's arguments object alone, as a call writes it."""
-    return {**tool.schema(), "x-guidance": _EXACT}
+    """The schema of one tool's arguments object, as a forced call writes it (closed)."""
+    return {**close_objects(tool.schema()), "x-guidance": _EXACT}
+
+
+def arguments_rule(tool: ToolSpec) -> str:
+    """The grammar item of one tool's arguments: a ``%json`` with the schema as its root."""
+    return f"%json {json.dumps(arguments_schema(tool))}"
 
 
 def calls_grammar(
@@ -82,8 +93,7 @@ def calls_grammar(
     forced = request.choice.forced
     tag = _tag_writer(special_token_id)
     many = request.parallel_tool_calls and request.choice.mode != "function"
-    call = f"call: %json {json.dumps(call_schema(request, arguments_key))}"
-    lines = rule(Forced(request.forced_tools(), many, call, tag))
+    lines = rule(Forced(request.forced_tools(), many, call_rules(request, arguments_key), tag))
     body = "calls"
     if answer is not None and not forced:
         lines.append(f"answer: {_answer_rule(answer)}")

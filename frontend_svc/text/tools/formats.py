@@ -25,7 +25,7 @@ from typing import Protocol
 
 from tandem_common.sampling import StructuredOutput
 
-from .forcing import CallsRule, Forced, ForcingError, arguments_schema, calls_grammar
+from .forcing import CallsRule, Forced, ForcingError, arguments_rule, calls_grammar
 from .leading import LeadingCallParser
 from .pythonic import END_TAG, START_TAG, PythonicCallParser
 from .spec import ToolRequest
@@ -89,10 +89,7 @@ def _mistral_named_calls(f: Forced) -> list[str]:
     tag, args = f.tag(_TOOL_CALLS), f.tag(ARGS_TAG)
     return [
         "one: " + " | ".join(f"one_{i}" for i in range(len(f.tools))),
-        *(
-            f"one_{i}: {tag} {json.dumps(t.name)} {args} %json {json.dumps(arguments_schema(t))}"
-            for i, t in enumerate(f.tools)
-        ),
+        *(f"one_{i}: {tag} {json.dumps(t.name)} {args} {arguments_rule(t)}" for i, t in enumerate(f.tools)),
         "calls: one+" if f.many else "calls: one",
     ]
 
