@@ -24,11 +24,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from frontend_svc.text import nesting
+from frontend_svc.text.grammar_check import grammar_problem
 from frontend_svc.text.message_parser import MessageFormat
 from frontend_svc.text.reasoning import CLOSE_TAG, OPEN_TAG, prompt_opens_thought
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.text.tools import ToolCallFormat, format_for, tools_grammar
-from frontend_svc.text.tools.forcing import ForcingError, answer_grammar
+from frontend_svc.text.tools.forcing import ForcingError, answer_grammar, arguments_rule
 from frontend_svc.text.tools.spec import (
     MAX_TOOL_CALLS_PER_MESSAGE,
     ToolRequest,
@@ -62,11 +63,18 @@ def _invalid(name: str, message: str) -> CallError:
 
 
 def check_tool_request(tools: ToolRequest, is_chat: bool) -> None:
+    """The tools' rules, then each schema compiled as a forced call would compile it (under
+    any tool_choice: a schema is refused the same way whether or not this request forces
+    it), so a broken one is refused before the call is answered, never on its stream."""
     problem = check_tools(tools, "tools", "tool_choice")
     if problem is not None:
         raise _invalid(*problem)
     if tools.tools and not is_chat:
         raise _invalid("tools", "tools need a chat (messages input): the chat template shows them to the model")
+    for i, tool in enumerate(tools.tools):
+        problem = grammar_problem(f"start: {arguments_rule(tool)}\n")
+        if problem is not None:
+            raise _invalid(f"tools[{i}].parameters", f"is not a JSON Schema the engine can follow: {problem}")
 
 
 def prepare(
@@ -148,6 +156,12 @@ def finish(
             grammar = answer_grammar(answer, tokenizer.special_token_id, thought)
     except ForcingError as e:
         raise _invalid("tool_choice" if tools.choice.forced else "sampling_params", str(e)) from None
+    if grammar is not None:
+        # Each tool's schema compiled already (check_tool_request): what fails here is the
+        # response format the grammar joined to the tools.
+        problem = grammar_problem(grammar)
+        if problem is not None:
+            raise _invalid("tool_choice" if tools.choice.forced else "sampling_params.structured", problem)
     if grammar is not None:
         params = replace(params, structured=StructuredOutput(kind="grammar", text=grammar))
         if tools.choice.forced:  # the grammar writes calls only

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from frontend_svc.service.http import sse
+from frontend_svc.service.http.anthropic_api import param_name as anthropic_param
 from frontend_svc.service.http.errors import HttpError, from_call_error
 from frontend_svc.service.http.openai_answers import OpenAIAnswer
 from frontend_svc.service.http.openai_requests import chat_request, completion_request, param_name
@@ -70,6 +71,9 @@ def test_planning_paths_become_openai_params():
     assert param_name("text") == param_name("token_ids.ids") == "prompt"
     assert param_name("messages.messages") == "messages"
     assert param_name("sampling_params.json_schema") == "response_format"
+    assert param_name("tools[3].parameters") == "tools[3].function.parameters"
+    assert param_name("tools[0].name") == "tools[0].function.name"
+    assert param_name("tools") == "tools" and anthropic_param("tools[1].parameters") == "tools[1].input_schema"
     error = from_call_error(CallError(ErrorCode.INVALID_ARGUMENT, "sampling_params.n: must be in [1, 16]"), param_name)
     assert (error.status, error.param, error.message) == (400, "n", "n: must be in [1, 16]")
     busy = from_call_error(CallError(ErrorCode.RESOURCE_EXHAUSTED, "full"), param_name)

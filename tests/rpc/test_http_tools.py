@@ -10,6 +10,7 @@ import anthropic
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.chat_templates import HERMES_THINKING, model_with_template
@@ -131,7 +132,7 @@ def test_a_thought_the_template_opened_is_reasoning_content(client, model):
 
 def test_bad_tools_are_400_naming_the_field(served, model):
     for body, param in [
-        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].name"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
     ]:
@@ -182,3 +183,88 @@ def test_anthropic_thinking_is_a_thinking_block(served, model):
     client = anthropic.Anthropic(base_url=served, api_key=API_KEY, max_retries=0, timeout=120)
     message = client.messages.create(model=model, max_tokens=12, messages=QUESTION, extra_body={"temperature": 0.0})
     assert [b.type for b in message.content][0] == "thinking" and message.stop_reason == "max_tokens"
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=10)
+
+
+class Person(pydantic.BaseModel):
+    """A person and where they live."""
+
+    name: str = pydantic.Field(max_length=10)
+    home: Address
+
+
+def test_a_pydantic_model_with_a_nested_model_is_a_forced_tool(served, client, model):
+    tool = openai.pydantic_function_tool(Person)
+    assert "$defs" in tool["function"]["parameters"]
+    kw = dict(
+        model=model,
+        messages=QUESTION,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "Person"}},
+        max_tokens=120,
+        temperature=1.0,
+        seed=4,
+        extra_body=NO_THINKING,
+    )
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    (call,) = whole.message.tool_calls
+    person = Person.model_validate_json(call.function.arguments)
+    arguments = ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            arguments += d.function.arguments or ""
+    assert Person.model_validate_json(arguments) == person
+
+    anthropic_client = anthropic.Anthropic(base_url=served, api_key=API_KEY, max_retries=0, timeout=120)
+    akw = dict(
+        model=model,
+        max_tokens=120,
+        messages=QUESTION,
+        tools=[{"name": "Person", "input_schema": Person.model_json_schema()}],
+        tool_choice={"type": "tool", "name": "Person"},
+        extra_body={"temperature": 0.0, "thinking": {"type": "disabled"}},
+    )
+    message = anthropic_client.messages.create(**akw)
+    (block,) = [b for b in message.content if b.type == "tool_use"]
+    Person.model_validate(block.input)
+    with anthropic_client.messages.stream(**akw) as stream:
+        final = stream.get_final_message()
+    (streamed,) = [b for b in final.content if b.type == "tool_use"]
+    assert Person.model_validate(streamed.input) == Person.model_validate(block.input)
+
+
+BROKEN = {"type": "object", "properties": {"home": {"$ref": "#/$defs/Missing"}}}
+
+
+def test_a_broken_schema_is_400_before_a_stream_starts(served, model):
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    openai_body = {
+        "model": model,
+        "messages": QUESTION,
+        "max_tokens": 4,
+        "stream": True,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": BROKEN}}],
+    }
+    anthropic_body = {
+        "model": model,
+        "messages": QUESTION,
+        "max_tokens": 4,
+        "stream": True,
+        "tools": [{"name": "f", "input_schema": BROKEN}],
+        "tool_choice": {"type": "any"},
+    }
+    for path, body in [("/v1/chat/completions", openai_body), ("/v1/messages", anthropic_body)]:
+        with httpx.stream("POST", served + path, json=body, headers=headers, timeout=30) as r:
+            r.read()
+        assert r.status_code == 400, r.text
+        assert "text/event-stream" not in r.headers.get("content-type", "")
+        error = r.json()["error"]
+        assert "$defs/Missing" in error["message"], error
+        if path == "/v1/messages":
+            assert r.json()["type"] == "error" and error["type"] == "invalid_request_error"
+        else:
+            assert error["param"] == "tools[0].function.parameters", error

@@ -264,14 +264,75 @@ async def test_a_conversation_with_calls_and_results_renders(stubs):
             "messages.messages[0].tool_calls[0].arguments: must be a JSON object",
         ),
         (dict(messages=None, text="hi"), "tools: tools need a chat"),
+        (
+            dict(tools=[g.Tool(name="f", parameters=json.dumps({"properties": {"a": {"$ref": "#/$defs/Gone"}}}))]),
+            "tools[0].parameters: is not a JSON Schema the engine can follow",
+        ),
+        (
+            dict(tools=[g.Tool(name="f", parameters='{"type": "colour"}')], tool_choice=None),
+            "tools[0].parameters: is not a JSON Schema the engine can follow",
+        ),
     ],
 )
 async def test_bad_tool_requests_are_invalid_argument(stubs, kw, needle):
     kw = {"messages": chat(), **kw}
-    if kw.get("messages") is None:
-        kw.pop("messages")
+    for name in ("messages", "tool_choice"):
+        if name in kw and kw[name] is None:
+            kw.pop(name)
     request = g.GenerateRequest(sampling_params=g.SamplingParams(max_tokens=2), **{"tools": TOOLS, **kw})
     with pytest.raises(grpc.aio.AioRpcError) as e:
         _ = [r async for r in stubs[0].Generate(request, timeout=30)]
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in e.value.details(), e.value.details()
+
+
+# A nested model in $defs and a tree that refers to itself, as pydantic writes them: each
+# schema is the root of its own compile, so its refs resolve, forced or under auto.
+ADDRESS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+}
+PERSON = {
+    "$defs": {"Address": ADDRESS},
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "home": {"$ref": "#/$defs/Address"}},
+    "required": ["name", "home"],
+}
+TREE = {
+    "definitions": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                "kids": {"type": "array", "items": {"$ref": "#/definitions/Node"}, "maxItems": 2},
+            },
+            "required": ["v", "kids"],
+        }
+    },
+    "$ref": "#/definitions/Node",
+}
+REF_TOOLS = [
+    g.Tool(name="save_person", parameters=json.dumps(PERSON)),
+    g.Tool(name="save_tree", parameters=json.dumps(TREE)),
+]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["hermes", "json"])
+async def test_schemas_with_refs_are_forced_and_closed(stubs, which):
+    thinking = {} if which else {"enable_thinking": False}
+    choices = await call(
+        stubs[which],
+        messages=chat(**thinking),
+        params=dict(max_tokens=200, temperature=1.0, n=6, seed=3),
+        tools=REF_TOOLS,
+        tool_choice=g.ToolChoice(function_name="save_person"),
+    )
+    for responses in choices.values():
+        assert responses[-1].finish_reason == g.FINISH_REASON_TOOL_CALLS, responses[-1]
+        (person,) = check_stream_equals_message(responses)["calls"]
+        arguments = json.loads(person["arguments"])
+        jsonschema.validate(arguments, PERSON)
+        assert set(arguments) == {"name", "home"} and set(arguments["home"]) == {"city"}  # closed objects
+    auto = await call(stubs[which], messages=chat(**thinking), params=dict(max_tokens=8), tools=REF_TOOLS)
+    assert auto[0][-1].finish_reason in (g.FINISH_REASON_LENGTH, g.FINISH_REASON_STOP, g.FINISH_REASON_TOOL_CALLS)

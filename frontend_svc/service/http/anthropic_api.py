@@ -20,7 +20,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from frontend_svc.service.http.anthropic_tools import BlockStream, enable_thinking, message_blocks, tool_request, turns
+from frontend_svc.service.http.anthropic_tools import (
+    BlockStream,
+    enable_thinking,
+    message_blocks,
+    tool_param,
+    tool_request,
+    turns,
+)
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_requests import message_text
@@ -91,7 +98,7 @@ def param_name(path: str) -> str:
     name = path.removeprefix("sampling_params.")
     if name == "stop" or name.startswith("stop["):
         return "stop_sequences"
-    return "messages" if name.startswith(("messages", "input")) else name
+    return "messages" if name.startswith(("messages", "input")) else tool_param(name)
 
 
 def answer(request: AnthropicRequest, model: str, plan: Plan) -> AnthropicAnswer:

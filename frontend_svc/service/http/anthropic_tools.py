@@ -14,6 +14,7 @@ answer ends.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from frontend_svc.service.http.errors import bad_request
@@ -24,6 +25,11 @@ from frontend_svc.text.output_processor import ChoiceOutput
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def tool_param(path: str) -> str:
+    """A planning path into a tool as the Anthropic parameter: the schema is ``input_schema``."""
+    return re.sub(r"^(tools\[\d+\])\.parameters", r"\1.input_schema", path)
 
 
 def tool_request(f: Fields) -> ToolRequest:

@@ -22,7 +22,7 @@ from typing import Any
 
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
-from frontend_svc.service.http.openai_tools import message_extras, tool_request
+from frontend_svc.service.http.openai_tools import message_extras, tool_param, tool_request
 from frontend_svc.service.http.prompts import completion_prompts
 from frontend_svc.service.planning import Chat, GenerateInput
 from frontend_svc.text.nesting import too_deep
@@ -237,4 +237,4 @@ def param_name(path: str) -> str:
     name = path.removeprefix("sampling_params.")
     if name.split(".", 1)[0].split("[", 1)[0] in ("json_schema", "json_object", "structured", "constraint"):
         return "response_format"
-    return name
+    return tool_param(name)

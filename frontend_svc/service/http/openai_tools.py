@@ -12,6 +12,7 @@ The same ToolRequest the gRPC face makes (text/tools/spec.py); planning checks i
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from frontend_svc.service.http.errors import bad_request
@@ -19,6 +20,14 @@ from frontend_svc.service.http.fields import Fields
 from frontend_svc.text.message_parser import FinishedCall, ToolCallPiece
 from frontend_svc.text.nesting import too_deep
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
+
+# Planning names a tool's fields as the gRPC Tool does (tools[i].parameters); here they sit in "function".
+_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.(name|description|parameters|strict)")
+
+
+def tool_param(path: str) -> str:
+    """A planning path into a tool as the OpenAI parameter (``tools[0].function.parameters``)."""
+    return _TOOL_FIELD.sub(r"tools[\1].function.\2", path)
 
 
 def tool_request(f: Fields) -> ToolRequest:

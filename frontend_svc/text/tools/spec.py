@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend_svc.text import nesting
+from tandem_common.sampling import StructuredOutput, check_structured_output
 
 MAX_TOOLS = 128
 MAX_TOOL_CALLS_PER_MESSAGE = 128
@@ -106,7 +107,9 @@ def _schema_problem(parameters: str) -> str | None:
         return str(e)
     if not isinstance(value, dict):
         return f"must be a JSON Schema object, got {type(value).__name__}"
-    return None
+    # What would make its compile expensive (counted repetitions in patterns), before it is compiled.
+    error = check_structured_output(StructuredOutput("json_schema", parameters))
+    return None if error is None else error.message
 
 
 def template_tools(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
