@@ -72,9 +72,9 @@ def check_tool_request(tools: ToolRequest, is_chat: bool) -> None:
     if tools.tools and not is_chat:
         raise _invalid("tools", "tools need a chat (messages input): the chat template shows them to the model")
     for i, tool in enumerate(tools.tools):
-        problem = grammar_problem(f"start: {arguments_rule(tool)}\n")
-        if problem is not None:
-            raise _invalid(f"tools[{i}].parameters", f"is not a JSON Schema the engine can follow: {problem}")
+        compile_error = grammar_problem(f"start: {arguments_rule(tool)}\n")
+        if compile_error is not None:
+            raise _invalid(f"tools[{i}].parameters", f"is not a JSON Schema the engine can follow: {compile_error}")
 
 
 def prepare(
