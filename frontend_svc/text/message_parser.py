@@ -12,6 +12,9 @@ thinking is never returned. ``message``, after ``finish``, is the whole answer f
 same parse; it equals the deltas joined (content and reasoning exactly, calls by name, id
 and arguments as the same JSON value), except where max_tokens cut a call short or a
 call's text is no valid JSON: the deltas carry that call, the message its text as content.
+Forced calls (``calls_only``) have no content: there the message holds a call cut short
+as the deltas carried it (its name, and its arguments as far as they were written), so a
+forced answer cut by max_tokens is the same streamed and whole.
 
 Call ids are made here, one per call index, and shared by the streamed pieces and the
 complete parse, so a client that joins the pieces and one that reads the final message
@@ -86,6 +89,7 @@ class MessageParser:
         self._ids: list[str] = []
         self._reasoning_text: list[str] = []
         self._content_text: list[str] = []  # without tools: the content, for the message
+        self._streamed: list[tuple[str, list[str]]] = []  # forced calls: each call's name and argument pieces
 
     def call_id(self, index: int) -> str:
         while len(self._ids) <= index:
@@ -118,7 +122,16 @@ class MessageParser:
             return AssistantMessage("".join(self._content_text), reasoning)
         parsed = self._tools.message()
         calls = tuple(FinishedCall(self.call_id(i), c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
-        return AssistantMessage("" if self.fmt.calls_only else parsed.content, reasoning, calls)
+        if not self.fmt.calls_only:
+            return AssistantMessage(parsed.content, reasoning, calls)
+        # The grammar wrote calls only: what the parse did not take as a call (one cut short,
+        # or the whole array it was in) is the calls as they streamed.
+        cut = tuple(
+            FinishedCall(self.call_id(i), name, "".join(pieces))
+            for i, (name, pieces) in enumerate(self._streamed)
+            if i >= len(calls)
+        )
+        return AssistantMessage("", reasoning, calls + cut)
 
     def _body(self, text: str, final: bool) -> MessageDelta:
         if self._tools is None:
@@ -133,6 +146,10 @@ class MessageParser:
                 out.content += delta.content
             for piece in delta.tool_calls:
                 first = piece.name is not None
+                if self.fmt.calls_only:
+                    if first:
+                        self._streamed.append((piece.name or "", []))
+                    self._streamed[piece.index][1].append(piece.arguments)
                 out.tool_calls.append(
                     ToolCallPiece(
                         piece.index,

@@ -152,7 +152,8 @@ def test_forced_and_answer_grammars_go_to_the_engine_as_one_lark_grammar():
 @pytest.mark.parametrize("merged", [False, True])
 def test_forced_calls_cut_short_before_a_name_leave_no_markup_in_the_content(merged):
     """tool_choice required: the grammar writes calls only, so a call that max_tokens cuts
-    before its name is dropped, not handed back as text (as it is where calls are optional)."""
+    before its name is dropped, not handed back as text (as it is where calls are optional),
+    and one cut after its name is in the whole message as the stream carried it."""
     tools = ToolRequest((ToolSpec("get_weather"),), ToolChoice("required"))
     fmt, _, _ = finish(ChatRendering([], {}, FORMATS["hermes"]), "user: hi", tools, SamplingParams(), True, TOK,
                        OutputParsers())  # fmt: skip
@@ -161,6 +162,14 @@ def test_forced_calls_cut_short_before_a_name_leave_no_markup_in_the_content(mer
     stream, last = run(cut, fmt, LENGTH, merged)
     assert stream["content"] == "" and [c["name"] for c in stream["calls"]] == ["get_weather"]
     assert last.message.content == "" and len(last.message.tool_calls) == 1
+    cut_args = f'<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{{"name": "get_weather", "arguments": {{"ci'
+    stream, last = run(cut_args, fmt, LENGTH, merged)
+    assert [c["name"] for c in stream["calls"]] == ["get_weather", "get_weather"]
+    assert stream["calls"][1]["arguments"] == '{"ci'
+    assert last.finish_reason is LENGTH and last.message.content == ""
+    assert [(c.id, c.name) for c in last.message.tool_calls] == [(c["id"], c["name"]) for c in stream["calls"]]
+    assert json.loads(last.message.tool_calls[0].arguments) == {"city": "Paris"}
+    assert last.message.tool_calls[1].arguments == '{"ci'  # as far as it was written
     auto, _, _ = finish(ChatRendering([], {}, FORMATS["hermes"]), "user: hi", ToolRequest((ToolSpec("get_weather"),)),
                         SamplingParams(), True, TOK, OutputParsers())  # fmt: skip
     stream, _ = run(cut, auto, LENGTH, merged)

@@ -268,3 +268,45 @@ def test_a_broken_schema_is_400_before_a_stream_starts(served, model):
             assert r.json()["type"] == "error" and error["type"] == "invalid_request_error"
         else:
             assert error["param"] == "tools[0].function.parameters", error
+
+
+MAX_CUT = 40  # enough for the call's name, not for its arguments
+
+
+def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_whole(served, client, model):
+    tool = openai.pydantic_function_tool(Person)
+    kw = dict(
+        model=model,
+        messages=QUESTION,
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=MAX_CUT,
+        temperature=1.0,
+        seed=7,
+        extra_body=NO_THINKING,
+    )
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            calls.setdefault(d.index, [d.function.name or "", ""])[1] += d.function.arguments or ""
+    assert whole.finish_reason == "length" and calls, whole
+    assert [[c.function.name, c.function.arguments] for c in whole.message.tool_calls or []] == list(calls.values())
+    with pytest.raises(ValueError):
+        json.loads(whole.message.tool_calls[-1].function.arguments)  # cut: as far as it was written
+
+    anthropic_client = anthropic.Anthropic(base_url=served, api_key=API_KEY, max_retries=0, timeout=120)
+    akw = dict(
+        model=model,
+        max_tokens=MAX_CUT,
+        messages=QUESTION,
+        tools=[{"name": "Person", "input_schema": Person.model_json_schema()}],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0.0, "thinking": {"type": "disabled"}},
+    )
+    message = anthropic_client.messages.create(**akw)
+    with anthropic_client.messages.stream(**akw) as stream:
+        final = stream.get_final_message()
+    assert message.stop_reason == final.stop_reason == "max_tokens"
+    uses = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    assert uses and uses == [(b.name, b.input) for b in final.content if b.type == "tool_use"]

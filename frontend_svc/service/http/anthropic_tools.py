@@ -17,6 +17,8 @@ import json
 import re
 from typing import Any
 
+import jiter
+
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.text.message_parser import AssistantMessage
@@ -120,8 +122,19 @@ def message_blocks(m: AssistantMessage) -> list[dict]:
     if m.content or not m.tool_calls:
         blocks.append({"type": "text", "text": m.content})
     for call in m.tool_calls:
-        blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)})
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": _input(call.arguments)})
     return blocks
+
+
+def _input(arguments: str) -> Any:
+    """A call's arguments as tool_use ``input``. A forced call cut short by max_tokens has
+    argument text that is no whole JSON: it is read as far as it goes, the way the Anthropic
+    SDKs read the input_json_delta pieces of a stream (jiter's partial mode: what is whole
+    is kept, an unfinished string or key dropped), so the whole answer and the stream agree."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return jiter.from_json(arguments.encode(), partial_mode=True)
 
 
 class BlockStream:
