@@ -36,7 +36,6 @@ from frontend_svc.service.planning import (
     GenerateInput,
     Plan,
     RequestLimits,
-    chat_prompt,
     encode_prompt,
     invalid,
     plan_generate,
@@ -46,6 +45,7 @@ from frontend_svc.service.request_stats import GenerateStats
 from frontend_svc.text.chat_template.renderer import ChatRenderer, NoChatTemplate, RenderError, RenderUnavailable
 from frontend_svc.text.output_processor import ChoiceOutput, ChoiceProcessor, TokenTexts
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.text.tools.spec import ToolRequest
 from frontend_svc.types import CallError, EngineRequestTooLargeError, EngineUnavailableError, ModelInfo, RequestError
 from tandem_common.types import ErrorCode
 
@@ -142,9 +142,21 @@ class Generation:
             size, plan_generate, request, tokenizer, info, self.limits, self.parsers, prepared, text
         )
 
-    async def chat_token_ids(self, chat: Chat, tokenizer: Tokenizer, max_model_len: int | None, size: int) -> list[int]:
-        """Token ids of ``chat`` rendered with the model's chat template (Tokenize, count_tokens)."""
-        text = await self.render(chat_prompt(chat, tokenizer, chat.messages, {}), size)
+    async def chat_token_ids(
+        self,
+        chat: Chat,
+        tokenizer: Tokenizer,
+        max_model_len: int | None,
+        size: int,
+        tools: ToolRequest | None = None,
+    ) -> list[int]:
+        """Token ids of ``chat`` rendered with the model's chat template (Tokenize, count_tokens):
+        the prompt a Generate call with these messages and ``tools`` renders, tools and
+        earlier calls as the template (or the generic tools prompt) shows them."""
+        request = GenerateInput(input="messages", chat=chat, tools=tools or ToolRequest())
+        prepared = await self.off_loop(size, prepare_generate, request, tokenizer, self.parsers)
+        assert prepared.prompt is not None  # a chat always renders one
+        text = await self.render(prepared.prompt, size)
         # The template writes the special tokens (BOS) itself.
         return await self.off_loop(size, encode_prompt, "messages", text, tokenizer, max_model_len, False)
 

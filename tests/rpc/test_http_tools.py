@@ -310,3 +310,23 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_whole(served, 
     assert message.stop_reason == final.stop_reason == "max_tokens"
     uses = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
     assert uses and uses == [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+
+
+def test_token_counts_are_of_the_prompt_a_call_renders_tools_included(served, client, model):
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    tool = openai.pydantic_function_tool(Person)
+    answer = client.chat.completions.create(model=model, messages=QUESTION, tools=[tool], max_tokens=1)
+    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1)
+    body = {"model": model, "messages": QUESTION, "tools": [tool]}
+    counted = httpx.post(served + "/tokenize", json=body, headers=headers, timeout=30).json()["count"]
+    assert counted == answer.usage.prompt_tokens > plain.usage.prompt_tokens
+
+    anthropic_client = anthropic.Anthropic(base_url=served, api_key=API_KEY, max_retries=0, timeout=120)
+    akw = dict(
+        model=model,
+        messages=QUESTION,
+        tools=[{"name": "Person", "input_schema": Person.model_json_schema()}],
+        thinking={"type": "disabled"},
+    )
+    message = anthropic_client.messages.create(max_tokens=1, **akw)
+    assert anthropic_client.messages.count_tokens(**akw).input_tokens == message.usage.input_tokens

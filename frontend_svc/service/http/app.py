@@ -47,6 +47,7 @@ from frontend_svc.service.http.responses_requests import ResponsesRequest, respo
 from frontend_svc.service.http.responses_store import ResponseStore, StoredResponse
 from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, Chat, GenerateInput, Plan, check_ids, encode_prompt
 from frontend_svc.text.tokenizer import Tokenizer
+from frontend_svc.text.tools.spec import ToolRequest
 from frontend_svc.types import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -173,16 +174,16 @@ class HttpFace:
         req = anthropic_api.messages_request(body, count_only=True)
         tokenizer, info = await self._ready(req.model)
         assert req.input.chat is not None
-        ids = await self._chat_token_ids(req.input.chat, tokenizer, info)
+        ids = await self._chat_token_ids(req.input.chat, tokenizer, info, req.input.tools)
         return JSONResponse({"input_tokens": len(ids)})
 
     async def tokenize(self, request: Request, body: Any) -> Response:
         f = Fields(body)
         tokenizer, info = await self._ready(f.str("model"))
         if f.has("messages"):
-            chat = openai_requests.chat_request({**body, "stream": False, "stream_options": None}).input.chat
-            assert chat is not None
-            ids = await self._chat_token_ids(chat, tokenizer, info)
+            chat_input = openai_requests.chat_request({**body, "stream": False, "stream_options": None}).input
+            assert chat_input.chat is not None
+            ids = await self._chat_token_ids(chat_input.chat, tokenizer, info, chat_input.tools)
         else:
             prompt = f.str("prompt")
             if prompt is None:
@@ -212,9 +213,9 @@ class HttpFace:
         await self.generation.lora_name(model)
         return ready
 
-    async def _chat_token_ids(self, chat: Chat, tokenizer: Tokenizer, info: ModelInfo) -> list[int]:
-        size = sum(len(m["content"]) for m in chat.messages)
-        return await self.generation.chat_token_ids(chat, tokenizer, info.max_model_len, size)
+    async def _chat_token_ids(self, chat: Chat, tokenizer: Tokenizer, info: ModelInfo, tools: ToolRequest) -> list[int]:
+        size = sum(len(m["content"]) for m in chat.messages) + sum(len(t.parameters) for t in tools.tools)
+        return await self.generation.chat_token_ids(chat, tokenizer, info.max_model_len, size, tools)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.generation.loaded_tokenizer().decode(token_ids, skip_special_tokens=False)
