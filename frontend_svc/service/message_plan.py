@@ -8,6 +8,8 @@ Rules (docs/tools.md):
 * tools apply only to a chat; tool_choice none leaves them out of the template, the
   parse and any grammar;
 * the call format is --tool-call-parser, or the one the chat template shows;
+* a template that does not show tools gets them in a generic system prompt, and earlier
+  calls as text in the format, when it does not show calls (text/tools/prompt.py);
 * the output starts inside a thought when the rendered prompt ends with ``<think>``; a
   prompt that ends with ``</think>`` leaves no thought for a grammar to allow;
 * required / a named function, and a response format together with tools, become one
@@ -30,6 +32,13 @@ from frontend_svc.text.reasoning import CLOSE_TAG, OPEN_TAG, prompt_opens_though
 from frontend_svc.text.tokenizer import Tokenizer
 from frontend_svc.text.tools import ToolCallFormat, format_for, tools_grammar
 from frontend_svc.text.tools.forcing import ForcingError, answer_grammar, arguments_rule
+from frontend_svc.text.tools.prompt import (
+    calls_as_content,
+    template_shows_calls,
+    template_shows_tools,
+    tools_system_prompt,
+    with_system_prompt,
+)
 from frontend_svc.text.tools.spec import (
     MAX_TOOL_CALLS_PER_MESSAGE,
     ToolRequest,
@@ -85,15 +94,22 @@ def prepare(
     parsers: OutputParsers,
 ) -> ChatRendering:
     """The template's input: the tools when active, assistant calls with their arguments
-    as objects (as Hugging Face templates read them), enable_thinking when set."""
+    as objects (as Hugging Face templates read them), enable_thinking when set. A template
+    that does not show tools or calls gets them as text (text/tools/prompt.py)."""
     rendered = [_template_message(i, m) for i, m in enumerate(messages)]
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
     tool_format = None
+    template = tokenizer.chat_template
     if tools.active:
         kwargs["tools"] = template_tools(tools.tools)
-        tool_format = format_for(parsers.tool_call_parser, tokenizer.chat_template)
+        tool_format = format_for(parsers.tool_call_parser, template)
+        if not template_shows_tools(template):
+            rendered = with_system_prompt(rendered, tools_system_prompt(tools.tools, tool_format.write_calls))
+    if not template_shows_calls(template):
+        writer = (tool_format or format_for(parsers.tool_call_parser, template)).write_calls
+        rendered = [calls_as_content(m, writer) if m.get("tool_calls") else m for m in rendered]
     return ChatRendering(rendered, kwargs, tool_format)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -96,3 +97,22 @@ def test_streamed_calls_equal_the_plain_answer(client):
             entry = pieces.setdefault(d.index, {"name": d.function.name, "arguments": ""})
             entry["arguments"] += d.function.arguments or ""
     assert [(p["name"], json.loads(p["arguments"])) for p in pieces.values()] == plain
+
+
+def test_tools_reach_a_template_without_tool_support_in_the_generic_prompt(client):
+    """SmolLM2's own template never reads ``tools``: the frontend's generic system prompt
+    shows them, and an earlier call as the json format writes it."""
+    model = client.models.list().data[0].id
+    base = str(client.base_url).removesuffix("/v1/")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    body = {"model": model, "messages": history, "tools": TOOLS}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(f"{base}/tokenize", json=body, headers=headers, timeout=60).json()["tokens"]
+    detokenize = {"model": model, "tokens": tokens}
+    text = httpx.post(f"{base}/detokenize", json=detokenize, headers=headers, timeout=60).json()["prompt"]
+    assert "You can call these functions" in text and json.dumps(TIME) in text
+    assert '{"name": "get_time", "arguments": {"zone": "UTC"}}' in text
+    answer = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS, max_tokens=1)
+    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1)
+    assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 100

@@ -5,7 +5,9 @@ and the grammar that forces them.
 ``leading``, ``pythonic``) is a state machine fed text deltas, whose end is also the
 complete parse. The rules the parsers share are in ``content`` (whitespace between calls,
 the complete message) and ``scan`` (marker hold-back, JSON call objects); the grammars in
-``forcing``; what a request says about tools in ``spec``.
+``forcing``, with ``schema`` closing a schema's objects for them; the generic system
+prompt for a template that does not show tools in ``prompt``; what a request says about
+tools in ``spec``.
 """
 
 from __future__ import annotations

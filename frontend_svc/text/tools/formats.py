@@ -11,22 +11,25 @@
 A format is everything the frontend knows of it: its name (--tool-call-parser), the sign
 that shows it in a chat template, the tags its parser must see in the text (kept when they
 are special tokens), the key its calls write the arguments under, its streaming parser (the
-complete parse is that parser fed the whole text), and the rule that forces its calls
-(forcing.py; None: it cannot be forced). A new format is one row here and, if no parser
+complete parse is that parser fed the whole text), the rule that forces its calls
+(forcing.py; None: it cannot be forced), and how calls are written in it (for a template
+that does not show tools: the example of the generic system prompt, and earlier calls as
+text; prompt.py). A new format is one row here and, if no parser
 reads it yet, one parser class.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandem_common.sampling import StructuredOutput
 
 from .forcing import CallsRule, Forced, ForcingError, arguments_rule, calls_grammar
 from .leading import LeadingCallParser
+from .prompt import CallWriter
 from .pythonic import END_TAG, START_TAG, PythonicCallParser
 from .spec import ToolRequest
 from .tagged import ARGS_TAG, TaggedCallParser
@@ -52,6 +55,7 @@ class ToolCallFormat:
     tags: tuple[str, ...]  # what the parser must see in the text: special tokens are kept then
     new_parser: Callable[[], ToolCallParser]
     forcing: CallsRule | None  # the grammar's ``calls`` rule; None: the format cannot be forced
+    write_calls: CallWriter  # calls as the model writes them in this format
     arguments_key: str = "arguments"  # what forced calls name the arguments (parsers read either key)
     forms: tuple[ToolCallFormat, ...] = ()  # the format as other templates write it, each by its sign
 
@@ -104,12 +108,44 @@ def _json_calls(f: Forced) -> list[str]:
     return [f.call, 'calls: call | "[" call ("," call)* "]"' if f.many else "calls: call"]
 
 
+def _call_object(key: str) -> Callable[[str, dict[str, Any]], str]:
+    return lambda name, arguments: json.dumps({"name": name, key: arguments}, ensure_ascii=False)
+
+
+def _write_hermes(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    one = _call_object("arguments")
+    return "\n".join(f"{_TOOL_CALL}\n{one(n, a)}\n{_TOOL_CALL_END}" for n, a in calls)
+
+
+def _write_llama3(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    return "; ".join(_call_object("parameters")(n, a) for n, a in calls)
+
+
+def _write_mistral(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    return _TOOL_CALLS + json.dumps([{"name": n, "arguments": a} for n, a in calls], ensure_ascii=False)
+
+
+def _write_mistral_named(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    return "".join(f"{_TOOL_CALLS}{n}{ARGS_TAG}{json.dumps(a, ensure_ascii=False)}" for n, a in calls)
+
+
+def _write_pythonic(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    # Python literals (repr) are what the parser's ast reads back.
+    return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
+
+
+def _write_json(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    objects = [{"name": n, "arguments": a} for n, a in calls]
+    return json.dumps(objects[0] if len(objects) == 1 else objects, ensure_ascii=False)
+
+
 HERMES = ToolCallFormat(
     "hermes",
     template_sign=_TOOL_CALL,
     tags=(_TOOL_CALL, _TOOL_CALL_END),
     new_parser=lambda: TaggedCallParser(_TOOL_CALL, _TOOL_CALL_END, allow_array=True),
     forcing=_hermes_calls,
+    write_calls=_write_hermes,
 )
 LLAMA3_JSON = ToolCallFormat(
     "llama3_json",
@@ -117,6 +153,7 @@ LLAMA3_JSON = ToolCallFormat(
     tags=(_PYTHON_TAG,),
     new_parser=lambda: LeadingCallParser(_PYTHON_TAG, ";", allow_array=False),
     forcing=_llama3_calls,
+    write_calls=_write_llama3,
     arguments_key="parameters",
 )
 _MISTRAL = ToolCallFormat(
@@ -125,15 +162,20 @@ _MISTRAL = ToolCallFormat(
     tags=(_TOOL_CALLS,),
     new_parser=lambda: TaggedCallParser(_TOOL_CALLS, None, allow_array=True, named_form=True),
     forcing=_mistral_calls,
+    write_calls=_write_mistral,
 )
 # Templates that show [ARGS] write one name[ARGS]{...} per call; the parser reads both forms.
-MISTRAL = replace(_MISTRAL, forms=(replace(_MISTRAL, template_sign=ARGS_TAG, forcing=_mistral_named_calls),))
+MISTRAL = replace(
+    _MISTRAL,
+    forms=(replace(_MISTRAL, template_sign=ARGS_TAG, forcing=_mistral_named_calls, write_calls=_write_mistral_named),),
+)
 PYTHONIC = ToolCallFormat(
     "pythonic",
     template_sign=START_TAG,
     tags=(START_TAG, END_TAG),
     new_parser=PythonicCallParser,
     forcing=None,  # Python syntax, not JSON
+    write_calls=_write_pythonic,
 )
 JSON = ToolCallFormat(
     "json",
@@ -141,6 +183,7 @@ JSON = ToolCallFormat(
     tags=(),
     new_parser=lambda: LeadingCallParser(None, "", allow_array=True),
     forcing=_json_calls,
+    write_calls=_write_json,
 )
 
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, JSON)}
