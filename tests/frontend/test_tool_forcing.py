@@ -9,8 +9,10 @@ import json
 import llguidance
 import pytest
 
+from frontend_svc.text.grammar_check import grammar_problem
 from frontend_svc.text.tools import FORCEABLE, FORMATS, tools_grammar
-from frontend_svc.text.tools.forcing import ForcingError
+from frontend_svc.text.tools.forcing import ForcingError, arguments_rule
+from frontend_svc.text.tools.schema import close_objects
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 from tandem_common.sampling import StructuredOutput
 
@@ -172,3 +174,19 @@ def test_forced_objects_take_only_the_keys_their_schema_lists(llg_tokenizer):
     # What the schema leaves open stays open: a free-form object, additionalProperties true.
     assert accepts(llg_tokenizer, grammar, written("json", [("tag", {"labels": {"any": 1}})]))
     assert accepts(llg_tokenizer, grammar, written("json", [("note", {"city": "x", "mood": "ok"})]))
+
+
+def test_closing_keeps_what_a_schema_states_and_what_it_requires():
+    nested = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}}}
+    assert close_objects(nested) == {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {}}, "additionalProperties": False}},
+        "additionalProperties": False,
+    }
+    stated = {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
+    assert close_objects(stated) == stated
+    beside = {"properties": {"a": {}}, "required": ["a", "b"]}  # b must come beside the listed keys
+    assert close_objects(beside) == beside
+    composed = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert close_objects(composed) == composed
+    assert grammar_problem(f"start: {arguments_rule(ToolSpec('f', parameters=json.dumps(beside)))}\n") is None

@@ -5,7 +5,8 @@ also allows any other key. A grammar that follows that lets a small model go on 
 keys of its own until max_tokens cuts the call, so forced calls close every object that
 lists its ``properties`` and says nothing about other keys (``additionalProperties``,
 ``patternProperties`` or ``unevaluatedProperties``): such an object takes the keys it
-lists and no other. What a schema states is kept: ``additionalProperties: true`` (pydantic's
+lists and no other. One whose ``required`` names a key it does not list stays open, since
+that key must come beside the listed ones. What a schema states is kept: ``additionalProperties: true`` (pydantic's
 ``dict[str, Any]``) stays open, an object with no ``properties`` stays free-form.
 
 Objects composed with others (a node with ``allOf`` / ``anyOf`` / ``oneOf`` / ``$ref``
@@ -59,11 +60,20 @@ def close_objects(schema: Any, close: bool = True) -> Any:
             out[key] = [close_objects(s) for s in value] if isinstance(value, list) else close_objects(value)
         else:
             out[key] = value
+    properties = schema.get("properties")
     if (
         close
-        and isinstance(schema.get("properties"), dict)
+        and isinstance(properties, dict)
         and not any(k in schema for k in _OPEN_KEYS)
         and not any(k in schema for k in _COMPOSED_KEYS)
+        and _lists_what_it_requires(schema, properties)
     ):
         out["additionalProperties"] = False
     return out
+
+
+def _lists_what_it_requires(schema: dict[str, Any], properties: dict[str, Any]) -> bool:
+    """Whether every required key is among the properties: one that is not is a key the
+    object must take beside them, so closing it would leave no valid value."""
+    required = schema.get("required")
+    return not isinstance(required, list) or all(k in properties for k in required)
