@@ -1,7 +1,7 @@
 """What the container images rely on, checked without Docker.
 
-* docker/frontend-requirements.txt is pyproject's dependency list minus torch, llguidance,
-  gguf and grpcio-tools (the frontend image installs the wheel with --no-deps, then that file).
+* docker/frontend-requirements.txt is pyproject's dependency list minus torch, gguf,
+  google-re2 and grpcio-tools (the frontend image installs the wheel with --no-deps, then that file).
 * The Dockerfiles keep their promises: multi-stage, non-root, no HEALTHCHECK, torch only in
   the engine image.
 * docker/tandem-health-probe, the exec probe the chart uses on TLS ports, against real
@@ -32,7 +32,7 @@ except ImportError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
-FRONTEND_ONLY_EXCLUDED = {"torch", "grpcio-tools", "llguidance", "gguf", "google-re2"}
+FRONTEND_ONLY_EXCLUDED = {"torch", "grpcio-tools", "gguf", "google-re2"}
 SERVER_NAME = "engine.test.svc.cluster.local"
 
 
