@@ -12,9 +12,11 @@ thinking is never returned. ``message``, after ``finish``, is the whole answer f
 same parse; it equals the deltas joined (content and reasoning exactly, calls by name, id
 and arguments as the same JSON value), except where max_tokens cut a call short or a
 call's text is no valid JSON: the deltas carry that call, the message its text as content.
-Forced calls (``calls_only``) have no content: there the message holds a call cut short
-as the deltas carried it (its name, and its arguments as far as they were written), so a
-forced answer cut by max_tokens is the same streamed and whole.
+An answer cut by max_tokens (``message(cut=True)``) is whole as the deltas carried it: a
+call cut short after its name is a call (its arguments as far as they were written), and
+the content is what streamed as content. Forced calls (``calls_only``) have no content:
+there a call cut short is kept the same way, so a forced answer is the same streamed and
+whole however it ends.
 
 Call ids are made here, one per call index, and shared by the streamed pieces and the
 complete parse, so a client that joins the pieces and one that reads the final message
@@ -89,7 +91,8 @@ class MessageParser:
         self._ids: list[str] = []
         self._reasoning_text: list[str] = []
         self._content_text: list[str] = []  # without tools: the content, for the message
-        self._streamed: list[tuple[str, list[str]]] = []  # forced calls: each call's name and argument pieces
+        self._streamed: list[tuple[str, list[str]]] = []  # each streamed call's name and argument pieces
+        self._streamed_content: list[str] = []  # with tools: the content as it streamed
 
     def call_id(self, index: int) -> str:
         while len(self._ids) <= index:
@@ -115,23 +118,24 @@ class MessageParser:
         self._reasoning_text.append(split.reasoning)
         return out
 
-    def message(self) -> AssistantMessage:
-        """The whole answer (after ``finish``), with the ids the pieces carried."""
+    def message(self, *, cut: bool = False) -> AssistantMessage:
+        """The whole answer (after ``finish``), with the ids the pieces carried; ``cut``: max_tokens
+        ended it, so a call it cut short is kept as the pieces carried it (module docstring)."""
         reasoning = "".join(self._reasoning_text)
         if self._tools is None:
             return AssistantMessage("".join(self._content_text), reasoning)
         parsed = self._tools.message()
         calls = tuple(FinishedCall(self.call_id(i), c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
-        if not self.fmt.calls_only:
+        if not (self.fmt.calls_only or (cut and len(self._streamed) > len(calls))):
             return AssistantMessage(parsed.content, reasoning, calls)
-        # The grammar wrote calls only: what the parse did not take as a call (one cut short,
-        # or the whole array it was in) is the calls as they streamed.
-        cut = tuple(
+        # What the parse did not take as a call (one cut short, or the whole array it was in)
+        # is the calls as they streamed; beside them, the content as it streamed (forced: none).
+        streamed = tuple(
             FinishedCall(self.call_id(i), name, "".join(pieces))
             for i, (name, pieces) in enumerate(self._streamed)
             if i >= len(calls)
         )
-        return AssistantMessage("", reasoning, calls + cut)
+        return AssistantMessage("".join(self._streamed_content), reasoning, calls + streamed)
 
     def _body(self, text: str, final: bool) -> MessageDelta:
         if self._tools is None:
@@ -144,12 +148,12 @@ class MessageParser:
                 continue
             if not self.fmt.calls_only:
                 out.content += delta.content
+                self._streamed_content.append(delta.content)
             for piece in delta.tool_calls:
                 first = piece.name is not None
-                if self.fmt.calls_only:
-                    if first:
-                        self._streamed.append((piece.name or "", []))
-                    self._streamed[piece.index][1].append(piece.arguments)
+                if first:
+                    self._streamed.append((piece.name or "", []))
+                self._streamed[piece.index][1].append(piece.arguments)
                 out.tool_calls.append(
                     ToolCallPiece(
                         piece.index,

@@ -197,7 +197,7 @@ class ChoiceProcessor:
             delta.content += tail.content
             delta.reasoning += tail.reasoning
             delta.tool_calls.extend(tail.tool_calls)
-            piece.message = parser.message()
+            piece.message = parser.message(cut=piece.finish_reason is FinishReason.LENGTH)
             if piece.message.tool_calls and piece.finish_reason is FinishReason.STOP:
                 piece.finish_reason = FinishReason.TOOL_CALLS
         piece.text, piece.reasoning, piece.tool_calls = delta.content, delta.reasoning, delta.tool_calls

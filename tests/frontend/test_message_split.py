@@ -174,3 +174,24 @@ def test_forced_calls_cut_short_before_a_name_leave_no_markup_in_the_content(mer
                         SamplingParams(), True, TOK, OutputParsers())  # fmt: skip
     stream, _ = run(cut, auto, LENGTH, merged)
     assert stream["content"].endswith('"argu')  # optional calls: the cut block is text, as before
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_an_optional_call_cut_after_its_name_is_a_call_streamed_and_whole(merged):
+    """tool_choice auto: once the stream has carried a call's name, max_tokens cutting its
+    arguments leaves the whole answer as the stream carried it, not its markup as content."""
+    auto, _, _ = finish(ChatRendering([], {}, FORMATS["hermes"]), "user: hi", ToolRequest((ToolSpec("get_weather"),)),
+                        SamplingParams(), True, TOK, OutputParsers())  # fmt: skip
+    text = f'Checking.<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{{"name": "get_weather", "arguments": {{"ci'
+    stream, last = run(text, auto, LENGTH, merged)
+    assert [c["name"] for c in stream["calls"]] == ["get_weather", "get_weather"]
+    assert last.finish_reason is LENGTH
+    assert last.message.content == stream["content"] == "Checking."
+    assert [(c.id, c.name, c.arguments) for c in last.message.tool_calls][1:] == [
+        (c["id"], c["name"], c["arguments"]) for c in stream["calls"]
+    ][1:]
+    assert last.message.tool_calls[1].arguments == '{"ci'
+    assert json.loads(last.message.tool_calls[0].arguments) == {"city": "Paris"}
+    # Ended by the model, not cut: a call whose text is no JSON stays text, as before.
+    stream, last = run(text, auto, STOP, merged)
+    assert len(last.message.tool_calls) == 1 and last.message.content.endswith('"ci')
