@@ -112,7 +112,8 @@ class HttpFace:
         f = Fields(body)
         tokenizer, info = await self._ready(f.str("model"))
         if f.has("messages"):
-            chat = openai_requests.chat_request({**body, "stream": False, "stream_options": None}).input.chat
+            rendered = body | {"stream": False, "stream_options": None}
+            chat = openai_requests.chat_request(rendered, check_fields=False).input.chat
             assert chat is not None
             ids = await self._chat_token_ids(chat, tokenizer, info)
         else:

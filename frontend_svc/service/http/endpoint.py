@@ -8,13 +8,16 @@
              ── GenerateCall.plan ──▶ Plan           (service/generate_call.py, as for gRPC)
              ── answer(request, model, plan) ──▶ Answer
         stream: false   the pieces added to the answer, cancelled if the client goes away; one JSON body
-        stream: true    server-sent events: the answer's start events, its events per piece (paced,
-                        pinged while none comes), its end events; an error after the first byte as the
-                        dialect's error event; the dialect's end of stream last
+        stream: true    the first piece awaited (up to HOLD_S) before any byte, so that an error found
+                        before the first token is answered with its status; then server-sent events:
+                        the answer's start events, its events per piece (paced, pinged while none
+                        comes), its end events; a later error as the dialect's error event; the
+                        dialect's end of stream last
 
 The call's figures, span and log line are the lifecycle's, as for gRPC: the request's
 headers are its metadata (``traceparent`` continues the client's trace, the API key names
-the client for its share), ``x-request-id`` its request id.
+the client for its share). Its request id is the ``X-Request-Id`` header (else the body's
+``request_id``, else a new one), echoed in the response's ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -41,6 +45,9 @@ from frontend_svc.service.planning import GenerateInput, Plan, RequestSizes
 from frontend_svc.text.output_processor import ChoiceOutput
 from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
+
+REQUEST_ID_HEADER = "x-request-id"
+HOLD_S = sse.PING_S  # a stream's headers wait this long for its first piece (first_piece)
 
 
 class Converted(Protocol):
@@ -90,30 +97,37 @@ class Endpoints:
         answer: Callable[[Any, str, Plan], Answer],
     ) -> Route:
         async def handler(request: Request, body: Any) -> Response:
-            req = convert(body)
-            request_id = request.headers.get("x-request-id", "")
-            attributes = {"http.request.method": request.method, "http.route": request.url.path}
-            call = GenerateCall(self.generation, caller_of(request), request_id, attributes)
+            request_id = call_request_id(request, body)
+            echo = {REQUEST_ID_HEADER: request_id}
             try:
-                plan = await call.plan(call_input(req.input, req.model))
-                reply = answer(req, call.model, plan)
-                if not req.stream:
-                    await until_disconnect(request, _collect(call.pieces(plan), reply))
-                    return Response(sse.dumps(reply.response()), media_type="application/json")
-            except BaseException:
-                call.end()  # a call whose pieces never ran ends here
-                raise
-            return CallStream(self._events(call, plan, reply, dialect), call)
+                req = convert(body)
+                attributes = {"http.request.method": request.method, "http.route": request.url.path}
+                call = GenerateCall(self.generation, caller_of(request), request_id, attributes)
+                try:
+                    plan = await call.plan(call_input(req.input, req.model, request_id))
+                    reply = answer(req, call.model, plan)
+                    if not req.stream:
+                        await until_disconnect(request, _collect(call.pieces(plan), reply))
+                        return Response(sse.dumps(reply.response()), media_type="application/json", headers=echo)
+                    pieces = call.pieces(plan)
+                    first = await first_piece(pieces)
+                except BaseException:
+                    call.end()  # a call whose pieces never ran ends here
+                    raise
+            except (HttpError, CallError, EngineUnavailableError) as e:
+                response = dialect.response(e)
+                response.headers[REQUEST_ID_HEADER] = request_id
+                return response
+            return CallStream(self._events(call, _primed(first, pieces), reply, dialect), call, request_id)
 
         return self.route(path, dialect, handler)
 
     async def _events(
-        self, call: GenerateCall, plan: Plan, answer: Answer, dialect: Dialect
+        self, call: GenerateCall, pieces: AsyncGenerator[ChoiceOutput, None], answer: Answer, dialect: Dialect
     ) -> AsyncGenerator[bytes, None]:
         try:
             for name, obj in answer.start_events():
                 yield dialect.event(name, obj)
-            pieces = call.pieces(plan)
             async with contextlib.aclosing(pieces):
                 async for piece in sse.with_pings(paced(pieces, self.pacer)):
                     if piece is None:
@@ -135,9 +149,19 @@ def caller_of(request: Request) -> Caller:
     return Caller(tuple(request.headers.items()), peer)
 
 
-def call_input(gen: GenerateInput, model: str | None) -> CallInput:
+def call_request_id(request: Request, body: Any) -> str:
+    """The call's request id: the client's X-Request-Id header, else vLLM's ``request_id``
+    body field, else a new one; the logs, the span and the response's X-Request-Id carry it."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if not given and isinstance(body, dict) and isinstance(body.get("request_id"), str):
+        given = body["request_id"]
+    return given or uuid.uuid4().hex
+
+
+def call_input(gen: GenerateInput, model: str | None, request_id: str = "") -> CallInput:
     p = gen.params
     sizes = RequestSizes(
+        request_id_chars=len(request_id),
         input=gen.input,
         num_token_ids=len(gen.token_ids),
         num_messages=len(gen.chat.messages) if gen.chat is not None else 0,
@@ -152,6 +176,45 @@ def input_chars(gen: GenerateInput) -> int:
     if gen.chat is not None:
         return sum(len(m["content"]) for m in gen.chat.messages)
     return len(gen.text) + 4 * len(gen.token_ids)
+
+
+async def first_piece(pieces: AsyncGenerator[ChoiceOutput, None]) -> asyncio.Future:
+    """The stream's first piece, as a task awaited up to HOLD_S before any byte is sent: an
+    error the engines find before the first token (a regex or grammar that does not compile,
+    a prompt too long for the engine) raises here, so that it is answered with its own status
+    (400) instead of 200 and an error event. Past HOLD_S (a long prompt prefilling) the stream
+    starts, and pings keep it open while the task goes on."""
+    first = asyncio.ensure_future(anext(pieces))
+    try:
+        await asyncio.wait({first}, timeout=HOLD_S)
+    except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        raise
+    if first.done() and not first.cancelled():
+        error = first.exception()
+        if error is not None and not isinstance(error, StopAsyncIteration):
+            raise error
+    return first
+
+
+async def _primed(
+    first: asyncio.Future, pieces: AsyncGenerator[ChoiceOutput, None]
+) -> AsyncGenerator[ChoiceOutput, None]:
+    """``first``'s piece, then the rest of ``pieces``; closing it closes ``pieces``."""
+    try:
+        try:
+            piece = await first
+        except StopAsyncIteration:
+            return
+        yield piece
+        async for piece in pieces:
+            yield piece
+    finally:
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        await pieces.aclose()
 
 
 async def _collect(pieces: AsyncGenerator[ChoiceOutput, None], answer: Answer) -> None:
@@ -191,8 +254,9 @@ class CallStream(StreamingResponse):
     away before the first chunk leaves the body generator unstarted, and the call's pieces
     (which end it) never run; this one ends it."""
 
-    def __init__(self, content: AsyncGenerator[bytes, None], call: GenerateCall) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=sse.HEADERS)
+    def __init__(self, content: AsyncGenerator[bytes, None], call: GenerateCall, request_id: str) -> None:
+        headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self.call = call
         self._content = content  # an async generator
 
