@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from pathlib import Path
 
 import anthropic.resources.messages
 import openai.resources.chat.completions
@@ -166,3 +167,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens():
 def test_tokenize_renders_a_chat_body_without_the_generation_checks():
     body = {"messages": MESSAGES, "add_special_tokens": True, "return_token_strs": True}
     assert json.dumps(chat_request(body, check_fields=False).input.chat.messages) == json.dumps(MESSAGES)
+
+
+def test_docs_name_every_field_of_the_allow_list():
+    docs = (Path(__file__).parents[2] / "docs" / "http.md").read_text()
+    section = docs.split("## Served or refused", 1)[1].split("\n## ", 1)[0]
+    tables = (allow_list.CHAT, allow_list.COMPLETIONS, allow_list.MESSAGES, allow_list.COUNT_TOKENS)
+    assert {name for t in tables for name in t if f"`{name}`" not in section} == set()
