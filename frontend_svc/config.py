@@ -18,11 +18,17 @@ from tandem_common.flags import (
     add_server_tls_flags,
     float_in,
     int_in,
+    json_strings,
     message_bytes,
     port,
     seconds,
 )
 from tandem_common.scrape_ration import DEFAULT_CLIENT_RATE, DEFAULT_MAX_RATE
+
+# RFC 9110 token characters: how a method or a header name is spelt.
+TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+# scheme://host[:port], no path: the form of a browser's Origin header (RFC 6454).
+ORIGIN = r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+"
 
 
 @dataclass
@@ -52,6 +58,10 @@ class FrontendConfig:
     http_max_connections_per_address: int = 1024  # 0: no cap
     http_max_header_bytes: int = 64 * 1024
     http_max_header_fields: int = 128
+    # Cross-origin browser requests (service/http/cors.py): vLLM's flags and defaults, any.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     tool_call_parser: str | None = None  # None: the format the chat template shows (text/tools)
     reasoning_parser: str | None = None  # None: no reasoning split
@@ -348,6 +358,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.http_max_header_fields,
         metavar="N",
         help="most header fields in an HTTP request; more get 431",
+    )
+    n.add_argument(
+        "--allowed-origins",
+        type=json_strings('origins ("*" or scheme://host[:port])', ORIGIN),
+        default=d.allowed_origins,
+        metavar="JSON",
+        help="origins whose web pages may call the HTTP API (CORS), as a JSON array such as "
+        '\'["https://app.example"]\'; "*": any, the default (as vLLM\'s); []: no cross-origin calls',
+    )
+    n.add_argument(
+        "--allowed-methods",
+        type=json_strings('HTTP methods ("*" or names such as "POST")', TOKEN),
+        default=d.allowed_methods,
+        metavar="JSON",
+        help='HTTP methods a cross-origin page may use, as a JSON array; "*": any, the default',
+    )
+    n.add_argument(
+        "--allowed-headers",
+        type=json_strings('header names ("*" or names such as "authorization")', TOKEN),
+        default=d.allowed_headers,
+        metavar="JSON",
+        help='request headers a cross-origin page may send, as a JSON array; "*": any, the default',
     )
     n.add_argument(
         "--max-message-bytes",

@@ -56,6 +56,10 @@ FRONTEND_REFUSED = [
     ("--http-max-header-bytes", "100", "an integer in [1024, 16777216]"),
     ("--http-max-header-fields", "0", "an integer >= 1"),
     ("--max-pending-output-bytes", "1000", "an integer >= 65536"),
+    ("--allowed-origins", "https://app.example", 'a JSON array of origins ("*" or scheme://host[:port])'),
+    ("--allowed-origins", '["https://app.example/path"]', "a JSON array of origins"),
+    ("--allowed-methods", '["PO ST"]', "a JSON array of HTTP methods"),
+    ("--allowed-headers", "[1]", "a JSON array of header names"),
 ]
 
 

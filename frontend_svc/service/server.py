@@ -234,12 +234,15 @@ class FrontendServer:
     async def _start_http(self, keys: list[str]) -> None:
         from frontend_svc.service.http.app import HttpFace
         from frontend_svc.service.http.connection import ConnectionLimits, reserve_file_descriptors
+        from frontend_svc.service.http.cors import Cors, with_cors
         from frontend_svc.service.http.server import Guard, HttpServer, http_requests_counter
 
         cfg = self.config
         assert cfg.http_port is not None
         face = HttpFace(self.servicer.generation, serving=lambda: self._serving, max_body_bytes=cfg.max_message_bytes)
-        app = Guard(face.app, keys, http_requests_counter(self.metrics.registry))
+        cors = Cors(cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers)
+        # CORS outermost: a browser's preflight carries no API key and is answered before the Guard asks.
+        app = with_cors(Guard(face.app, keys, http_requests_counter(self.metrics.registry)), cors)
         self.http = HttpServer(
             app,
             host=cfg.http_host or cfg.host,
@@ -263,11 +266,12 @@ class FrontendServer:
             logger.warning("%s", problem)
         self.http_port = await self.http.start()  # the chosen port with --http-port 0
         logger.info(
-            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages); connections: %s",
+            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages); connections: %s; CORS: %s",
             "https" if cfg.tls_cert else "http",
             cfg.http_host or cfg.host,
             self.http_port,
             self.http.limits.describe(),
+            cors.describe(),
         )
 
     async def _set_health(self, serving: bool) -> None:
