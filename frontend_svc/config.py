@@ -62,6 +62,7 @@ class FrontendConfig:
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    http_lora_admin: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (needs an API key)
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     tool_call_parser: str | None = None  # None: the format the chat template shows (text/tools)
     reasoning_parser: str | None = None  # None: no reasoning split
@@ -147,6 +148,8 @@ class FrontendConfig:
             problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
         if self.routing_load_threshold < 0:
             problems.append("--routing-load-threshold must be >= 0")
+        if self.http_lora_admin and not (self.api_keys or self.api_key_file):
+            problems.append("--http-lora-admin needs --api-key or --api-key-file: it loads files on the engines")
         # A blank key would match an empty bearer token (the file is checked at start-up).
         if any(not key.strip() for key in self.api_keys):
             problems.append("--api-key must not be empty or blank")
@@ -358,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.http_max_header_fields,
         metavar="N",
         help="most header fields in an HTTP request; more get 431",
+    )
+    n.add_argument(
+        "--http-lora-admin",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which load or unload a LoRA "
+        "adapter on every engine at once (engines need --enable-lora); needs --api-key or --api-key-file",
     )
     n.add_argument(
         "--allowed-origins",

@@ -105,3 +105,11 @@ def test_help_states_each_default_once(parser):
 def test_every_engine_flag_has_help():
     missing = [a.dest for a in engine_parser()._actions if a.dest != "help" and not a.help]
     assert not missing, missing
+
+
+def test_lora_admin_over_http_needs_an_api_key():
+    from frontend_svc.config import FrontendConfig
+
+    problems = FrontendConfig(engines=["a:1"], http_lora_admin=True).check()
+    assert any(p.startswith("--http-lora-admin needs --api-key") for p in problems), problems
+    assert FrontendConfig(engines=["a:1"], http_lora_admin=True, api_keys=["k"]).check() == []

@@ -67,6 +67,7 @@ from frontend_svc.engine.watchdog import (
     Verdict,
 )
 from frontend_svc.types import (
+    CallError,
     EngineLoad,
     EngineRequestTooLargeError,
     EngineUnavailableError,
@@ -75,6 +76,7 @@ from frontend_svc.types import (
 )
 from tandem_common.block_hash import BLOCK_HASH_ALGORITHMS
 from tandem_common.sampling import SamplingParams
+from tandem_common.types import ErrorCode
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ LOAD_POLL_S = 1.0  # GetLoad when the stream has been quiet this long (other fro
 ABORT_CONFIRM_TIMEOUT_S = 30.0  # forget an aborted request the engine never confirmed
 DEFAULT_STALL_TIMEOUT_S = 10.0  # nothing heard from the engine this long: it is hung
 DEFAULT_PROGRESS_TIMEOUT_S = 30.0  # requests waiting this long while nothing advances: a black hole
+LORA_ADMIN_TIMEOUT_S = 90.0  # a LoRA load or unload, past the engine's own 60 s deadline for it
 REFUSED_RETRY_S = 30.0  # an engine refused for its model is asked again this often
 
 
@@ -524,6 +527,24 @@ class EngineClient:
             del self._requests[handle.request_id]
             self._progress.forget(handle.request_id)
             self._started(handle.request_id)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """LoadLoraAdapter on this engine; CallError with the engine's status and its words."""
+        await self._lora_admin("LoadLoraAdapter", engine_pb2.LoadLoraAdapterRequest(name=name, path=path))
+
+    async def unload_lora(self, name: str) -> None:
+        """UnloadLoraAdapter on this engine; CallError with the engine's status and its words."""
+        await self._lora_admin("UnloadLoraAdapter", engine_pb2.UnloadLoraAdapterRequest(name=name))
+
+    async def _lora_admin(self, method: str, request) -> None:
+        if self._stub is None or not self.connected:
+            raise CallError(ErrorCode.UNAVAILABLE, f"engine {self.address} is not connected")
+        try:
+            # The engine's own deadline for the load (LORA_RPC_TIMEOUT_S, 60 s) comes first.
+            await getattr(self._stub, method)(request, timeout=LORA_ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            code = ErrorCode.__members__.get(e.code().name, ErrorCode.UNAVAILABLE)
+            raise CallError(code, f"engine {self.address}: {e.details()}") from None
 
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
         """Download the tokenizer files and check each against its sha256 ({} if the engine has none)."""

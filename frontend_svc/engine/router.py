@@ -170,6 +170,10 @@ class EngineRouter:
         info = self.model_info
         raise UnknownModelError(name, ([info.model_name] if info else []) + list(self.lora_adapters))
 
+    async def refresh_model_infos(self) -> None:
+        """Every connected engine's model info asked again (after a LoRA load or unload)."""
+        await self._lora_rounds.after_now()
+
     def engine_figures(self) -> dict[str, tuple[int, int]]:
         """{address: (load tokens, blocks the prefix index holds)} of the connected engines and
         of those the index still holds blocks of (metrics)."""

@@ -239,7 +239,12 @@ class FrontendServer:
 
         cfg = self.config
         assert cfg.http_port is not None
-        face = HttpFace(self.servicer.generation, serving=lambda: self._serving, max_body_bytes=cfg.max_message_bytes)
+        face = HttpFace(
+            self.servicer.generation,
+            serving=lambda: self._serving,
+            max_body_bytes=cfg.max_message_bytes,
+            lora_admin=cfg.http_lora_admin,
+        )
         cors = Cors(cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers)
         # CORS outermost: a browser's preflight carries no API key and is answered before the Guard asks.
         app = with_cors(Guard(face.app, keys, http_requests_counter(self.metrics.registry)), cors)
@@ -266,12 +271,13 @@ class FrontendServer:
             logger.warning("%s", problem)
         self.http_port = await self.http.start()  # the chosen port with --http-port 0
         logger.info(
-            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages); connections: %s; CORS: %s",
+            "HTTP API on %s://%s:%d (OpenAI and Anthropic Messages); connections: %s; CORS: %s; LoRA admin: %s",
             "https" if cfg.tls_cert else "http",
             cfg.http_host or cfg.host,
             self.http_port,
             self.http.limits.describe(),
             cors.describe(),
+            "on" if cfg.http_lora_admin else "off",
         )
 
     async def _set_health(self, serving: bool) -> None:

@@ -241,3 +241,10 @@ MESSAGES: dict[str, Entry] = {
 COUNT_TOKENS: dict[str, Entry] = {
     k: v for k, v in MESSAGES.items() if k not in ("max_tokens", "stop_sequences", "stream", "metadata", "service_tier")
 }
+
+# LoRA admin (lora_admin.py), as vLLM's bodies: adapters are named here, never numbered.
+LOAD_LORA: dict[str, Entry] = {"lora_name": SERVED, "lora_path": SERVED}
+UNLOAD_LORA: dict[str, Entry] = {
+    "lora_name": SERVED,
+    "lora_int_id": Refused("adapters are known by name only; send lora_name"),
+}

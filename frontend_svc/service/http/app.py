@@ -7,6 +7,8 @@
     POST /v1/messages               Anthropic Messages, streaming (SSE events) or not
     POST /v1/messages/count_tokens  Anthropic: the prompt's token count
     POST /tokenize, /detokenize     vLLM's shapes
+    POST /v1/load_lora_adapter,     vLLM's LoRA admin, with --http-lora-admin only (lora_admin.py)
+         /v1/unload_lora_adapter
 
 Each route is one line below (endpoint.py: the body read, the errors in the route's
 dialect); a generation route is a converter (openai_requests, anthropic_api) to the plain
@@ -34,6 +36,7 @@ from frontend_svc.service.http.dialect import ANTHROPIC, OPENAI
 from frontend_svc.service.http.endpoint import Endpoints
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import Fields
+from frontend_svc.service.http.lora_admin import LOAD_PATH, UNLOAD_PATH, LoraAdmin
 from frontend_svc.service.http.openai_answers import OpenAIAnswer
 from frontend_svc.service.http.openai_requests import OpenAIRequest
 from frontend_svc.service.planning import MAX_DETOKENIZE_IDS, Chat, Plan, check_ids, encode_prompt
@@ -44,12 +47,17 @@ logger = logging.getLogger(__name__)
 
 
 class HttpFace:
-    def __init__(self, generation: Generation, *, serving: Callable[[], bool], max_body_bytes: int) -> None:
+    def __init__(
+        self, generation: Generation, *, serving: Callable[[], bool], max_body_bytes: int, lora_admin: bool = False
+    ) -> None:
         self.generation = generation
         self.serving = serving
         e = self.endpoints = Endpoints(generation, max_body_bytes)
+        admin = LoraAdmin(generation.router)
+        admin_routes = [e.route(LOAD_PATH, OPENAI, admin.load), e.route(UNLOAD_PATH, OPENAI, admin.unload)]
         self.app = Starlette(
             routes=[
+                *(admin_routes if lora_admin else []),
                 Route("/health", self.health, methods=["GET"]),
                 e.route("/v1/models", OPENAI, self.models, method="GET"),
                 e.generate("/v1/completions", OPENAI, openai_requests.completion_request, self.openai_answer),

@@ -39,6 +39,8 @@ ROUTES = frozenset(
         "/v1/messages/count_tokens",
         "/tokenize",
         "/detokenize",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     )
 )
 OPEN_PATHS = frozenset(("/health",))
