@@ -10,6 +10,7 @@ from pathlib import Path
 import anthropic.resources.messages
 import openai.resources.chat.completions
 import openai.resources.completions
+import openai.resources.responses
 import pytest
 
 from frontend_svc.service.http import allow_list
@@ -36,6 +37,7 @@ def _sdk_fields(method) -> set[str]:
         (openai.resources.completions.Completions.create, allow_list.COMPLETIONS),
         (anthropic.resources.messages.Messages.create, allow_list.MESSAGES),
         (anthropic.resources.messages.Messages.count_tokens, allow_list.COUNT_TOKENS),
+        (openai.resources.responses.Responses.create, allow_list.RESPONSES),
     ],
 )
 def test_every_sdk_parameter_has_a_line(method, table):
@@ -172,5 +174,11 @@ def test_tokenize_renders_a_chat_body_without_the_generation_checks():
 def test_docs_name_every_field_of_the_allow_list():
     docs = (Path(__file__).parents[2] / "docs" / "http.md").read_text()
     section = docs.split("## Served or refused", 1)[1].split("\n## ", 1)[0]
-    tables = (allow_list.CHAT, allow_list.COMPLETIONS, allow_list.MESSAGES, allow_list.COUNT_TOKENS)
+    tables = (
+        allow_list.CHAT,
+        allow_list.COMPLETIONS,
+        allow_list.MESSAGES,
+        allow_list.COUNT_TOKENS,
+        allow_list.RESPONSES,
+    )
     assert {name for t in tables for name in t if f"`{name}`" not in section} == set()

@@ -242,6 +242,47 @@ COUNT_TOKENS: dict[str, Entry] = {
     k: v for k, v in MESSAGES.items() if k not in ("max_tokens", "stop_sequences", "stream", "metadata", "service_tier")
 }
 
+# POST /v1/responses: OpenAI's Responses API, served on the same plan as chat (the
+# fields its converter reads; sampling extras as on chat).
+RESPONSES: dict[str, Entry] = {
+    "model": SERVED,
+    "input": SERVED,
+    "instructions": SERVED,
+    "tools": SERVED,
+    "tool_choice": SERVED,
+    "parallel_tool_calls": SERVED,
+    "reasoning": SERVED,
+    "text": SERVED,  # text.format json_schema: the engine's constraint
+    "max_output_tokens": SERVED,
+    "temperature": SERVED,
+    "top_p": SERVED,
+    "top_logprobs": SERVED,
+    "stream": SERVED,
+    "stream_options": SERVED,
+    "previous_response_id": SERVED,
+    "store": SERVED,
+    "metadata": SERVED,
+    "user": SERVED,
+    "safety_identifier": SERVED,
+    "prompt_cache_key": SERVED,
+    "include": SERVED,
+    "truncation": Refused(
+        "a prompt longer than the context is refused, never cut; leave truncation out", _is("disabled")
+    ),
+    "service_tier": Refused(_ONE_TIER, _not_in("auto", "default")),
+    "background": Refused("background responses are not served; stream the response instead", _is(False)),
+    "background_options": Refused("background responses are not served; leave background_options out"),
+    "conversation": Refused("conversations are not stored; chain responses with previous_response_id"),
+    "context_management": Refused("context editing is not served; trim the input in the client"),
+    "max_tool_calls": Refused("built-in tools are not served, so there is nothing to cap; leave it out"),
+    "prompt": Refused("stored prompt templates are not served; send instructions and input"),
+    "prompt_cache_options": Refused("the prefix cache needs no options; leave it out"),
+    "prompt_cache_retention": Refused("cached prefixes live while memory allows; leave it out", _is("in_memory")),
+    "moderation": Refused("moderation is not served; leave it out"),
+    "image": Refused(_NO_MULTIMODAL),
+    "access_programs": Refused("access programs are not served; leave access_programs out"),
+}
+
 # LoRA admin (lora_admin.py), as vLLM's bodies: adapters are named here, never numbered.
 LOAD_LORA: dict[str, Entry] = {"lora_name": SERVED, "lora_path": SERVED}
 UNLOAD_LORA: dict[str, Entry] = {
