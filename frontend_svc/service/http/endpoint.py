@@ -99,6 +99,7 @@ class Endpoints:
         async def handler(request: Request, body: Any) -> Response:
             request_id = call_request_id(request, body)
             echo = {REQUEST_ID_HEADER: request_id}
+            req: Converted | None = None
             try:
                 req = convert(body)
                 attributes = {"http.request.method": request.method, "http.route": request.url.path}
@@ -115,7 +116,7 @@ class Endpoints:
                     call.end()  # a call whose pieces never ran ends here
                     raise
             except (HttpError, CallError, EngineUnavailableError) as e:
-                response = dialect.response(e)
+                response = dialect.response(e, getattr(req, "param_name", None))
                 response.headers[REQUEST_ID_HEADER] = request_id
                 return response
             return CallStream(self._events(call, _primed(first, pieces), reply, dialect), call, request_id)

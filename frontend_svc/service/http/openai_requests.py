@@ -25,7 +25,7 @@ from frontend_svc.service.http import allow_list
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_tools import message_extras, tool_request
-from frontend_svc.service.http.structured_fields import structured_constraint
+from frontend_svc.service.http.structured_fields import GUIDED, structured_constraint
 from frontend_svc.service.planning import Chat, GenerateInput
 from frontend_svc.text.nesting import too_deep
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
@@ -40,6 +40,13 @@ class OpenAIRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     echo: bool = False  # completions: the prompt text before the output
     logprobs: bool = False  # return logprobs (chat: content[]; completions: tokens/token_logprobs/...)
+    constraint_field: str = "response_format"  # the field that set the output constraint, if any
+
+    def param_name(self, path: str) -> str:
+        """``param_name``, with an engine's error about the constraint (a regex that does not
+        compile) naming the field this request set it with."""
+        name = param_name(path)
+        return self.constraint_field if name in ("response_format", "structured_outputs") else name
 
 
 def completion_request(body) -> OpenAIRequest:
@@ -60,7 +67,12 @@ def completion_request(body) -> OpenAIRequest:
         raise bad_request("prompt", "must be a string or an array of token ids (one prompt per request)")
     gen.add_special_tokens = f.bool("add_special_tokens", True)
     return OpenAIRequest(
-        gen, f.str("model"), echo=f.bool("echo", False), logprobs=gen.params.logprobs is not None, **_stream(f)
+        gen,
+        f.str("model"),
+        echo=f.bool("echo", False),
+        logprobs=gen.params.logprobs is not None,
+        constraint_field=_constraint_field(f),
+        **_stream(f),
     )
 
 
@@ -85,7 +97,7 @@ def chat_request(body, *, check_fields: bool = True) -> OpenAIRequest:
         template_kwargs=_reasoning_effort(f) | (dict(kwargs.body) if kwargs is not None else {}),
     )
     gen.tools = tool_request(f)
-    return OpenAIRequest(gen, f.str("model"), logprobs=logprobs, **_stream(f))
+    return OpenAIRequest(gen, f.str("model"), logprobs=logprobs, constraint_field=_constraint_field(f), **_stream(f))
 
 
 # OpenAI's values of reasoning_effort; the template reads the variable (vLLM passes it the same way).
@@ -218,6 +230,11 @@ def _constraint(f: Fields) -> StructuredOutput | None:
     if openai is not None:
         raise bad_request(vllm[0], "only one output constraint is allowed, and response_format sets one")
     return vllm[1]
+
+
+def _constraint_field(f: Fields) -> str:
+    """The field the request's constraint came from (the converter allows one at most)."""
+    return next((name for name in ("structured_outputs", *GUIDED) if f.has(name)), "response_format")
 
 
 def _logit_bias(f: Fields) -> dict[int, float]:
