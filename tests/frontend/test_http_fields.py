@@ -134,11 +134,15 @@ def test_seed_outside_int64_is_refused():
         assert _refusal(completion_request, {"prompt": "hi", "seed": seed}).param == "seed"
 
 
-def test_best_of_equal_to_n_is_served_and_more_is_refused_with_what_to_do():
-    assert completion_request({"prompt": "hi", "n": 2, "best_of": 2}).input.n == 2
-    e = _refusal(completion_request, {"prompt": "hi", "n": 1, "best_of": 3})
-    assert e.param == "best_of" and "n=3" in str(e)
+def test_best_of_generates_more_choices_with_their_logprobs_and_keeps_n():
+    assert completion_request({"prompt": "hi", "n": 2, "best_of": 2}).best_of_keep is None
+    r = completion_request({"prompt": "hi", "n": 1, "best_of": 3})
+    assert (r.input.n, r.best_of_keep, r.input.params.logprobs, r.logprobs) == (3, 1, 0, False)
+    r = chat_request({"messages": MESSAGES, "n": 2, "best_of": 4, "logprobs": True, "top_logprobs": 2})
+    assert (r.input.n, r.best_of_keep, r.input.params.logprobs, r.logprobs) == (4, 2, 2, True)
     assert _refusal(completion_request, {"prompt": "hi", "n": 2, "best_of": 1}).param == "best_of"
+    e = _refusal(completion_request, {"prompt": "hi", "best_of": 2, "stream": True})
+    assert e.param == "best_of" and "when streaming" in str(e)
 
 
 def test_reasoning_effort_reaches_the_template_and_chat_template_kwargs_wins():

@@ -60,10 +60,21 @@ def test_a_field_not_served_is_a_400_in_anthropics_shape(served, model):
 
 
 def test_a_streamed_request_is_refused_before_its_stream(served, model):
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 3, "stream": True, "best_of": 4}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 3, "stream": True, "guided_decoding_backend": "x"}
     r = post(served[2], "/v1/completions", body)
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
-    assert r.json()["error"]["param"] == "best_of"
+    assert r.json()["error"]["param"] == "guided_decoding_backend"
+
+
+def test_best_of_answers_the_likeliest_of_its_choices(client, model):
+    kw = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=77, extra_body={"ignore_eos": True})
+    every = client.completions.create(n=4, logprobs=0, **kw)  # choice i samples with seed + i, as under best_of
+    sums = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    best = client.completions.create(n=2, best_of=4, **kw)
+    ranked = sorted(range(4), key=lambda i: -sums[i])[:2]
+    assert [c.text for c in best.choices] == [every.choices[i].text for i in ranked]
+    assert [c.index for c in best.choices] == [0, 1] and all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == every.usage.completion_tokens == 24  # all four generated
 
 
 @pytest.mark.parametrize(

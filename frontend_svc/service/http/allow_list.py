@@ -135,7 +135,7 @@ _OPENAI_COMMON: dict[str, Entry] = {
     "guided_regex": SERVED,
     "guided_choice": SERVED,
     "guided_grammar": SERVED,
-    "best_of": SERVED,  # equal to n (or left out): more candidates than answers is refused by the converter
+    "best_of": SERVED,  # best_of choices generated, the n likeliest answered (whole answers only)
     "guided_decoding_backend": Refused(_NO_BACKEND),
     "guided_whitespace_pattern": Refused(_NO_WHITESPACE_PATTERN),
     "use_beam_search": Refused(_NO_BEAM, _is(False)),

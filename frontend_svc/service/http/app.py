@@ -105,6 +105,7 @@ class HttpFace:
             echo=echo,
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
+            keep=req.best_of_keep,
         )
 
     # -- token counts -------------------------------------------------------------------------

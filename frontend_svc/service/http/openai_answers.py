@@ -110,7 +110,10 @@ class OpenAIAnswer:
         echo: str = "",
         include_usage: bool = False,
         continuous_usage: bool = False,
+        keep: int | None = None,
     ):
+        """``keep``: best_of, whole answers only: of the ``n`` choices generated, answer the
+        ``keep`` with the highest cumulative logprob, likeliest first (vLLM's order)."""
         self.chat = chat
         # stream_options: a last chunk with the usage; the running usage in every chunk
         self.include_usage = include_usage
@@ -122,6 +125,7 @@ class OpenAIAnswer:
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
         self.choices = [_Choice(offset=len(echo)) for _ in range(n)]
+        self.keep = keep
         self.object = "chat.completion" if chat else "text_completion"
 
     # -- usage ----------------------------------------------------------------------------
@@ -207,7 +211,10 @@ class OpenAIAnswer:
 
     def response(self) -> dict:
         choices = []
-        for i, c in enumerate(self.choices):
+        answered = self.choices
+        if self.keep is not None:  # usage still counts every choice generated, as OpenAI bills best_of
+            answered = sorted(answered, key=lambda c: -sum(lp.logprob for lp in c.logprobs))[: self.keep]
+        for i, c in enumerate(answered):
             text = "".join(c.text)
             choice: dict = {"index": i}
             assert c.last is not None  # every choice finished before the response is made

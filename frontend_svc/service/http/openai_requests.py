@@ -41,6 +41,7 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt text before the output
     logprobs: bool = False  # return logprobs (chat: content[]; completions: tokens/token_logprobs/...)
     constraint_field: str = "response_format"  # the field that set the output constraint, if any
+    best_of_keep: int | None = None  # best_of > n: answer these many of input.n choices (the likeliest)
 
     def param_name(self, path: str) -> str:
         """``param_name``, with an engine's error about the constraint (a regex that does not
@@ -53,7 +54,9 @@ def completion_request(body) -> OpenAIRequest:
     allow_list.check(body, allow_list.COMPLETIONS)
     f = Fields(body)
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    gen = _sampling(f, logprobs=f.int("logprobs", lo=0))
+    logprobs = f.int("logprobs", lo=0)
+    gen = _sampling(f, logprobs=logprobs)
+    keep = _best_of(f, gen)
     # One prompt per request: a string, an array of token ids, or an array holding one of them.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -70,8 +73,9 @@ def completion_request(body) -> OpenAIRequest:
         gen,
         f.str("model"),
         echo=f.bool("echo", False),
-        logprobs=gen.params.logprobs is not None,
+        logprobs=logprobs is not None,
         constraint_field=_constraint_field(f),
+        best_of_keep=keep,
         **_stream(f),
     )
 
@@ -86,6 +90,7 @@ def chat_request(body, *, check_fields: bool = True) -> OpenAIRequest:
     if top is not None and not logprobs:
         raise bad_request("top_logprobs", "needs logprobs: true")
     gen = _sampling(f, logprobs=(top or 0) if logprobs else None)
+    keep = _best_of(f, gen)
     kwargs = f.object("chat_template_kwargs")
     problem = too_deep(kwargs.body) if kwargs is not None else None
     if problem is not None:
@@ -97,7 +102,9 @@ def chat_request(body, *, check_fields: bool = True) -> OpenAIRequest:
         template_kwargs=_reasoning_effort(f) | (dict(kwargs.body) if kwargs is not None else {}),
     )
     gen.tools = tool_request(f)
-    return OpenAIRequest(gen, f.str("model"), logprobs=logprobs, constraint_field=_constraint_field(f), **_stream(f))
+    return OpenAIRequest(
+        gen, f.str("model"), logprobs=logprobs, constraint_field=_constraint_field(f), best_of_keep=keep, **_stream(f)
+    )
 
 
 # OpenAI's values of reasoning_effort; the template reads the variable (vLLM passes it the same way).
@@ -164,7 +171,6 @@ def _sampling(f: Fields, *, logprobs: int | None) -> GenerateInput:
     if seed is not None and not -(1 << 63) <= seed < 1 << 63:
         raise bad_request("seed", f"must be a signed 64-bit integer, in [-2**63, 2**63 - 1], got {seed}")
     n = f.int("n", 1)
-    _best_of(f, n)
     params = SamplingParams(
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         min_tokens=f.int("min_tokens", 0),
@@ -196,20 +202,24 @@ def _sampling(f: Fields, *, logprobs: int | None) -> GenerateInput:
     )
 
 
-def _best_of(f: Fields, n: int) -> None:
-    """best_of as OpenAI defines it: at least n; equal to n it asks for nothing more. More
-    candidates than answers would need the n best chosen by cumulative logprob, which is
-    not served: refused, with what to do."""
+def _best_of(f: Fields, gen: GenerateInput) -> int | None:
+    """best_of as OpenAI defines it: generate best_of choices, answer the n with the highest
+    cumulative logprob (the sum over their tokens). Equal to n it asks for nothing more
+    (None); larger, ``gen`` asks for best_of choices with the sampled tokens' logprobs (0
+    alternatives, unless the client asked for more) and the answer keeps n (returned).
+    Streaming cannot: the best are known only once every choice has finished."""
     best_of = f.int("best_of")
+    n = gen.n
     if best_of is None or best_of == n:
-        return
+        return None
     if best_of < n:
         raise bad_request("best_of", f"must be at least n ({n}), got {best_of}")
-    raise bad_request(
-        "best_of",
-        f"generating {best_of} candidates to return the best {n} is not served; ask for n={best_of} "
-        "with logprobs and keep the choices with the highest summed logprob",
-    )
+    if f.bool("stream", False):
+        raise bad_request("best_of", f"must equal n ({n}) when streaming: the best choices are known only at the end")
+    gen.n = best_of
+    if gen.params.logprobs is None:
+        gen.params.logprobs = 0  # the sampled tokens' logprobs, for the sums; not returned
+    return n
 
 
 def _truncate_prompt_tokens(f: Fields) -> int | None:
