@@ -3,6 +3,7 @@ against the real SDKs' own parameter lists, and the converters of the fields it 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 from pathlib import Path
@@ -13,7 +14,7 @@ import openai.resources.completions
 import openai.resources.responses
 import pytest
 
-from frontend_svc.service.http import allow_list
+from frontend_svc.service.http import allow_list, endpoint
 from frontend_svc.service.http.anthropic_api import messages_request
 from frontend_svc.service.http.errors import HttpError
 from frontend_svc.service.http.openai_requests import chat_request, completion_request
@@ -186,3 +187,25 @@ def test_docs_name_every_field_of_the_allow_list():
         allow_list.RESPONSES,
     )
     assert {name for t in tables for name in t if f"`{name}`" not in section} == set()
+
+
+async def test_pieces_a_stream_never_read_are_closed_whether_or_not_the_first_came():
+    """The first piece is awaited before a stream's headers; a client gone before the body
+    started would leave the pieces (the engine requests) running but for endpoint._close."""
+    closed = []
+
+    async def pieces(hang: bool):
+        try:
+            if hang:
+                await asyncio.Event().wait()
+            while True:
+                yield "piece"
+        finally:
+            closed.append(hang)
+
+    for hang in (False, True):
+        gen = pieces(hang)
+        first = await endpoint.first_piece(gen) if not hang else asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0)
+        await endpoint._close(first, gen)
+    assert closed == [False, True]

@@ -119,7 +119,8 @@ class Endpoints:
                 response = dialect.response(e, getattr(req, "param_name", None))
                 response.headers[REQUEST_ID_HEADER] = request_id
                 return response
-            return CallStream(self._events(call, _primed(first, pieces), reply, dialect), call, request_id)
+            events = self._events(call, _primed(first, pieces), reply, dialect)
+            return CallStream(events, call, request_id, lambda: _close(first, pieces))
 
         return self.route(path, dialect, handler)
 
@@ -218,6 +219,16 @@ async def _primed(
         await pieces.aclose()
 
 
+async def _close(first: asyncio.Future, pieces: AsyncGenerator[ChoiceOutput, None]) -> None:
+    """The call's pieces closed (its engine requests aborted) when the stream that would have
+    read them never started: ``first`` stopped before ``pieces`` is closed, since a generator
+    cannot be closed while a task runs it. Nothing to do after a stream that ran."""
+    if not first.done():
+        first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await pieces.aclose()
+
+
 async def _collect(pieces: AsyncGenerator[ChoiceOutput, None], answer: Answer) -> None:
     async with contextlib.aclosing(pieces):
         async for piece in pieces:
@@ -253,19 +264,28 @@ async def _disconnected(request: Request) -> None:
 class CallStream(StreamingResponse):
     """An SSE response that ends its call however the response ends: a client that goes
     away before the first chunk leaves the body generator unstarted, and the call's pieces
-    (which end it) never run; this one ends it."""
+    (already started: the first one was awaited before the headers) are closed by
+    ``close`` and the call ended here."""
 
-    def __init__(self, content: AsyncGenerator[bytes, None], call: GenerateCall, request_id: str) -> None:
+    def __init__(
+        self,
+        content: AsyncGenerator[bytes, None],
+        call: GenerateCall,
+        request_id: str,
+        close: Callable[[], Awaitable[None]],
+    ) -> None:
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.call = call
         self._content = content  # an async generator
+        self._close = close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._content.aclose()  # a stream cut mid-way: its engine requests are aborted now
+            await self._close()
             self.call.end()
 
 
