@@ -224,7 +224,9 @@ MESSAGES: dict[str, Entry] = {
     "thinking": SERVED,
     "metadata": SERVED,  # metadata.user_id: an end-user id for the provider's abuse checks
     "cache_control": SERVED,  # the prefix cache is automatic: every prompt is cached where memory allows
-    "service_tier": Refused(_ONE_TIER, _not_in("auto", "standard_only")),
+    "service_tier": Refused(
+        "this server has one service tier; leave service_tier out or 'auto'", _not_in("auto", "standard_only")
+    ),
     "speed": Refused("this server has one speed; leave speed out or 'standard'", _is("standard")),
     "container": Refused("code-execution containers are not served; leave container out"),
     "mcp_servers": Refused("MCP servers are not called by this server; run the tools in the client and send tools"),
@@ -238,9 +240,17 @@ MESSAGES: dict[str, Entry] = {
 }
 
 # count_tokens reads what renders the prompt; generation fields are not part of its request.
-COUNT_TOKENS: dict[str, Entry] = {
-    k: v for k, v in MESSAGES.items() if k not in ("max_tokens", "stop_sequences", "stream", "metadata", "service_tier")
-}
+_GENERATION_ONLY = (
+    "max_tokens",
+    "stop_sequences",
+    "stream",
+    "metadata",
+    "service_tier",
+    "temperature",
+    "top_p",
+    "top_k",
+)
+COUNT_TOKENS: dict[str, Entry] = {k: v for k, v in MESSAGES.items() if k not in _GENERATION_ONLY}
 
 # POST /v1/responses: OpenAI's Responses API, served on the same plan as chat (the
 # fields its converter reads; sampling extras as on chat).
