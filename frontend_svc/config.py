@@ -18,11 +18,17 @@ from tandem_common.flags import (
     add_server_tls_flags,
     float_in,
     int_in,
+    json_strings,
     message_bytes,
     port,
     seconds,
 )
 from tandem_common.scrape_ration import DEFAULT_CLIENT_RATE, DEFAULT_MAX_RATE
+
+# RFC 9110 token characters: how a method or a header name is spelt.
+TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+# scheme://host[:port], no path: the form of a browser's Origin header (RFC 6454).
+ORIGIN = r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+"
 
 
 @dataclass
@@ -55,6 +61,11 @@ class FrontendConfig:
     # The Responses API's stored responses (service/http/responses_store.py); 0 bytes: none kept
     responses_store_max_bytes: int = 256 << 20
     responses_store_max_age_s: float = 3600.0
+    # Cross-origin browser requests (service/http/cors.py): vLLM's flags and defaults, any.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    http_lora_admin: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (needs an API key)
     tokenizer: str | None = None  # None: fetched from an engine's GetTokenizer
     tool_call_parser: str | None = None  # None: the format the chat template shows (text/tools)
     reasoning_parser: str | None = None  # None: no reasoning split
@@ -145,6 +156,8 @@ class FrontendConfig:
             problems.append(f"--dns-refresh-s must be a positive number of seconds, got {self.dns_refresh_s}")
         if self.routing_load_threshold < 0:
             problems.append("--routing-load-threshold must be >= 0")
+        if self.http_lora_admin and not (self.api_keys or self.api_key_file):
+            problems.append("--http-lora-admin needs --api-key or --api-key-file: it loads files on the engines")
         # A blank key would match an empty bearer token (the file is checked at start-up).
         if any(not key.strip() for key in self.api_keys):
             problems.append("--api-key must not be empty or blank")
@@ -372,6 +385,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.responses_store_max_age_s,
         metavar="S",
         help="a stored response is dropped this long after it was answered",
+    )
+    n.add_argument(
+        "--http-lora-admin",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which load or unload a LoRA "
+        "adapter on every engine at once (engines need --enable-lora); needs --api-key or --api-key-file",
+    )
+    n.add_argument(
+        "--allowed-origins",
+        type=json_strings('origins ("*" or scheme://host[:port])', ORIGIN),
+        default=d.allowed_origins,
+        metavar="JSON",
+        help="origins whose web pages may call the HTTP API (CORS), as a JSON array such as "
+        '\'["https://app.example"]\'; "*": any, the default (as vLLM\'s); []: no cross-origin calls',
+    )
+    n.add_argument(
+        "--allowed-methods",
+        type=json_strings('HTTP methods ("*" or names such as "POST")', TOKEN),
+        default=d.allowed_methods,
+        metavar="JSON",
+        help='HTTP methods a cross-origin page may use, as a JSON array; "*": any, the default',
+    )
+    n.add_argument(
+        "--allowed-headers",
+        type=json_strings('header names ("*" or names such as "authorization")', TOKEN),
+        default=d.allowed_headers,
+        metavar="JSON",
+        help='request headers a cross-origin page may send, as a JSON array; "*": any, the default',
     )
     n.add_argument(
         "--max-message-bytes",

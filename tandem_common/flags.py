@@ -10,7 +10,9 @@ request. Use these as ``type=`` in argparse; argparse turns the error into
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
 from collections.abc import Callable
 
 from tandem_common.scrape_ration import DEFAULT_CLIENT_RATE, DEFAULT_MAX_RATE
@@ -89,6 +91,27 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # -- flag groups both services have -------------------------------------------------------
+
+
+def json_strings(what: str, pattern: str, wildcard: str | None = "*") -> Callable[[str], list[str]]:
+    """An argparse type: a JSON array of strings (vLLM's form for its list flags), each
+    ``wildcard`` or matching ``pattern``; ``what`` names them in the error."""
+    check = re.compile(pattern)
+
+    def parse(text: str) -> list[str]:
+        try:
+            values = json.loads(text)
+        except ValueError:
+            values = None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise argparse.ArgumentTypeError(f"must be a JSON array of {what}, got {text!r}")
+        bad = [v for v in values if v != wildcard and check.fullmatch(v) is None]
+        if bad:
+            raise argparse.ArgumentTypeError(f"must be a JSON array of {what}, got {bad[0]!r}")
+        return values
+
+    parse.__name__ = "JSON array"
+    return parse
 
 
 def add_observability_flags(p: argparse.ArgumentParser, *, log_level: str = "INFO", log_format: str = "text") -> None:

@@ -59,6 +59,10 @@ FRONTEND_REFUSED = [
     ("--responses-store-max-bytes", "-1", "an integer >= 0"),
     ("--responses-store-max-age-s", "0", "a number > 0"),
     ("--responses-store-max-age-s", "inf", "a number > 0"),
+    ("--allowed-origins", "https://app.example", 'a JSON array of origins ("*" or scheme://host[:port])'),
+    ("--allowed-origins", '["https://app.example/path"]', "a JSON array of origins"),
+    ("--allowed-methods", '["PO ST"]', "a JSON array of HTTP methods"),
+    ("--allowed-headers", "[1]", "a JSON array of header names"),
 ]
 
 
@@ -104,3 +108,11 @@ def test_help_states_each_default_once(parser):
 def test_every_engine_flag_has_help():
     missing = [a.dest for a in engine_parser()._actions if a.dest != "help" and not a.help]
     assert not missing, missing
+
+
+def test_lora_admin_over_http_needs_an_api_key():
+    from frontend_svc.config import FrontendConfig
+
+    problems = FrontendConfig(engines=["a:1"], http_lora_admin=True).check()
+    assert any(p.startswith("--http-lora-admin needs --api-key") for p in problems), problems
+    assert FrontendConfig(engines=["a:1"], http_lora_admin=True, api_keys=["k"]).check() == []

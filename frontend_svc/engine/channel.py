@@ -3,11 +3,14 @@ and its tokenizer files (GetTokenizer), for EngineClient (client.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import grpc
 
+from frontend_svc.types import CallError
 from tandem_common.tokenizer_files import TOKENIZER_FILE_NAMES
+from tandem_common.types import ErrorCode
 from tandem_protos.tandem.engine.v1 import engine_pb2, engine_pb2_grpc
 
 # A ping every 10 s, answered within 10 s (both the keepalive and the general HTTP/2 ping
@@ -17,6 +20,7 @@ BACKOFF_INITIAL_S = 0.05
 BACKOFF_CAP_S = 2.0
 RPC_TIMEOUT_S = 10.0
 TOKENIZER_TIMEOUT_S = 120
+LORA_ADMIN_TIMEOUT_S = 90.0  # a LoRA load or unload, past the engine's own 60 s deadline for it
 
 
 def open_channel(
@@ -86,3 +90,30 @@ async def fetch_tokenizer_files(stub: engine_pb2_grpc.EngineServiceStub) -> dict
         if actual != digest.lower():
             raise ValueError(f"{name}: sha256 {actual} does not match the engine's {digest}")
     return {name: bytes(buf) for name, buf in files.items()}
+
+
+async def load_lora(stub: engine_pb2_grpc.EngineServiceStub | None, address: str, name: str, path: str) -> None:
+    """LoadLoraAdapter on one engine; CallError with the engine's status and its words."""
+    await _lora_admin(stub, address, "LoadLoraAdapter", engine_pb2.LoadLoraAdapterRequest(name=name, path=path))
+
+
+async def unload_lora(stub: engine_pb2_grpc.EngineServiceStub | None, address: str, name: str) -> None:
+    """UnloadLoraAdapter on one engine; CallError with the engine's status and its words."""
+    await _lora_admin(stub, address, "UnloadLoraAdapter", engine_pb2.UnloadLoraAdapterRequest(name=name))
+
+
+async def _lora_admin(stub: engine_pb2_grpc.EngineServiceStub | None, address: str, method: str, request) -> None:
+    if stub is None:
+        raise CallError(ErrorCode.UNAVAILABLE, f"engine {address} is not connected")
+    try:
+        # The engine's own deadline for the load (LORA_RPC_TIMEOUT_S, 60 s) comes first.
+        await getattr(stub, method)(request, timeout=LORA_ADMIN_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        code = ErrorCode.__members__.get(e.code().name, ErrorCode.UNAVAILABLE)
+        raise CallError(code, f"engine {address}: {e.details()}") from None
+
+
+async def drain(outbox: asyncio.Queue):
+    """A stream's requests: what the client puts in its outbox, in order, for as long as it lasts."""
+    while True:
+        yield await outbox.get()

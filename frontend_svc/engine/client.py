@@ -51,6 +51,7 @@ from frontend_svc.engine.channel import (
     BACKOFF_CAP_S,
     BACKOFF_INITIAL_S,
     RPC_TIMEOUT_S,
+    drain,
     fetch_tokenizer_files,
     open_channel,
     tokenizer_digests,
@@ -190,10 +191,6 @@ class EngineClient:
     def lora_digest(self, lora_name: str | None) -> bytes | None:
         return self.model.lora_digest(lora_name)
 
-    async def refresh_model_info(self) -> None:
-        """Ask the engine for its model info again: its LoRA adapters may have changed."""
-        await self.model.refresh()
-
     async def _fetch_model_info(self) -> ModelInfo | None:
         if self._stub is None or not self.connected:
             return None
@@ -276,7 +273,7 @@ class EngineClient:
                 model_info.block_hash_algorithm or "(unnamed)",
                 " or ".join(BLOCK_HASH_ALGORITHMS),
             )
-        call = stub.Stream(_drain(outbox))
+        call = stub.Stream(drain(outbox))
         self._outbox = outbox
         self.load = EngineLoad()
         self._last_heard_s = time.monotonic()
@@ -486,14 +483,14 @@ class EngineClient:
         if not (handle.finished or handle.aborted) and self._outbox is not None:
             self._outbox.put_nowait(convert.resume_requests([handle.request_id]))
 
+    @property
+    def stub(self) -> engine_pb2_grpc.EngineServiceStub | None:
+        """The engine's RPCs while its session is up (None otherwise), for calls beside the stream."""
+        return self._stub if self.connected else None
+
     async def fetch_tokenizer_files(self) -> dict[str, bytes]:
         """Download the tokenizer files and check each against its sha256 ({} if the engine has none)."""
         files = await fetch_tokenizer_files(engine_pb2_grpc.EngineServiceStub(self._channel))
         if files:
             logger.info("fetched tokenizer from engine %s: %s", self.address, ", ".join(sorted(files)))
         return files
-
-
-async def _drain(outbox: asyncio.Queue):
-    while True:
-        yield await outbox.get()

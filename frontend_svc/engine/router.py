@@ -130,7 +130,7 @@ class EngineRouter:
         self._refresh_task: asyncio.Task | None = None
         self._retire_tasks: set[asyncio.Task] = set()
         self._lora_rounds = FreshRounds(
-            lambda: asyncio.gather(*(c.refresh_model_info() for c in self._clients.values() if c.connected))
+            lambda: asyncio.gather(*(c.model.refresh() for c in self._clients.values() if c.connected))
         )
 
     @property
@@ -172,6 +172,10 @@ class EngineRouter:
             return
         info = self.model_info
         raise UnknownModelError(name, ([info.model_name] if info else []) + list(self.lora_adapters))
+
+    async def refresh_model_infos(self) -> None:
+        """Every connected engine's model info asked again (after a LoRA load or unload)."""
+        await self._lora_rounds.after_now()
 
     def engine_figures(self) -> dict[str, tuple[int, int]]:
         """{address: (load tokens, blocks the prefix index holds)} of the connected engines and

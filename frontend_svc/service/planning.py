@@ -125,6 +125,7 @@ class GenerateInput:
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     priority: int = 0
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as fit)
     tools: ToolRequest = field(default_factory=ToolRequest)
     lora_name: str | None = None  # the LoRA adapter the client's model names (checked: Generation.lora_name)
     # Every choice gets the prompt logprobs, not choice 0 alone (HTTP completions' echo with
@@ -220,6 +221,8 @@ def plan_generate(
     else:
         prompt = _prompt(request, tokenizer, info)
     which = request.input or "input"  # set: _prompt refuses a request without one
+    if request.truncate_prompt_tokens is not None:
+        prompt = truncated(prompt, request.truncate_prompt_tokens, request.params, request.max_tokens_set, info)
     if not prompt:
         raise invalid(which, "the prompt is empty after tokenization")
     if len(prompt) >= info.max_model_len:
@@ -267,6 +270,19 @@ def plan_generate(
 def check_cache_salt(salt: str | None) -> None:
     if salt is not None and len(salt.encode()) > MAX_CACHE_SALT_BYTES:
         raise invalid("cache_salt", f"is {len(salt.encode())} bytes; the limit is {MAX_CACHE_SALT_BYTES}")
+
+
+def truncated(prompt: list[int], k: int, params: SamplingParams, max_tokens_set: bool, info: ModelInfo) -> list[int]:
+    """The prompt's last ``k`` tokens (vLLM's truncate_prompt_tokens: the start of a long
+    conversation is what goes). -1 keeps as many as leave room for max_tokens (1 when unset);
+    a ``k`` over the context is refused: no prompt that long can run."""
+    if k > info.max_model_len:
+        raise invalid(
+            "truncate_prompt_tokens", f"must be at most the model's context of {info.max_model_len} tokens, got {k}"
+        )
+    if k == -1:
+        k = max(1, info.max_model_len - (params.max_tokens if max_tokens_set else 1))
+    return prompt[-k:] if k else []
 
 
 def _too_long(num_tokens: int, max_model_len: int) -> str:

@@ -234,6 +234,7 @@ class FrontendServer:
     async def _start_http(self, keys: list[str]) -> None:
         from frontend_svc.service.http.app import HttpFace
         from frontend_svc.service.http.connection import ConnectionLimits, reserve_file_descriptors
+        from frontend_svc.service.http.cors import Cors, with_cors
         from frontend_svc.service.http.responses_store import ResponseStore
         from frontend_svc.service.http.server import Guard, HttpServer, http_requests_counter
 
@@ -245,8 +246,11 @@ class FrontendServer:
             serving=lambda: self._serving,
             max_body_bytes=cfg.max_message_bytes,
             responses=responses,
+            lora_admin=cfg.http_lora_admin,
         )
-        app = Guard(face.app, keys, http_requests_counter(self.metrics.registry))
+        cors = Cors(cfg.allowed_origins, cfg.allowed_methods, cfg.allowed_headers)
+        # CORS outermost: a browser's preflight carries no API key and is answered before the Guard asks.
+        app = with_cors(Guard(face.app, keys, http_requests_counter(self.metrics.registry)), cors)
         self.http = HttpServer(
             app,
             host=cfg.http_host or cfg.host,
@@ -271,12 +275,14 @@ class FrontendServer:
         self.http_port = await self.http.start()  # the chosen port with --http-port 0
         logger.info(
             "HTTP API on %s://%s:%d (OpenAI, OpenAI Responses and Anthropic Messages); connections: %s; "
-            "stored responses: %s",
+            "stored responses: %s; CORS: %s; LoRA admin: %s",
             "https" if cfg.tls_cert else "http",
             cfg.http_host or cfg.host,
             self.http_port,
             self.http.limits.describe(),
             responses.describe(),
+            cors.describe(),
+            "on" if cfg.http_lora_admin else "off",
         )
 
     async def _set_health(self, serving: bool) -> None:

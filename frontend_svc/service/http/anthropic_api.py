@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from frontend_svc.service.http import allow_list
 from frontend_svc.service.http.anthropic_tools import (
     BlockStream,
     enable_thinking,
@@ -45,6 +46,7 @@ class AnthropicRequest:
 
 
 def messages_request(body, *, count_only: bool = False) -> AnthropicRequest:
+    allow_list.check(body, allow_list.COUNT_TOKENS if count_only else allow_list.MESSAGES)
     f = Fields(body)
     chat = Chat(_messages(f), add_generation_prompt=True, enable_thinking=enable_thinking(f))
     max_tokens = f.int("max_tokens")

@@ -9,6 +9,8 @@
     POST /v1/responses              OpenAI Responses, streaming (SSE events) or not
     GET, DELETE /v1/responses/{id}  a stored response; POST .../cancel: 400 (no background responses)
     POST /tokenize, /detokenize     vLLM's shapes
+    POST /v1/load_lora_adapter,     vLLM's LoRA admin, with --http-lora-admin only (lora_admin.py)
+         /v1/unload_lora_adapter
 
 Each route is one line below (endpoint.py: the body read, the errors in the route's
 dialect); a generation route is a converter (openai_requests, anthropic_api,
@@ -39,6 +41,7 @@ from frontend_svc.service.http.echo import Echo, echo_prompt
 from frontend_svc.service.http.endpoint import Endpoints
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import Fields
+from frontend_svc.service.http.lora_admin import LOAD_PATH, UNLOAD_PATH, LoraAdmin
 from frontend_svc.service.http.openai_answers import OpenAIAnswer
 from frontend_svc.service.http.openai_requests import OpenAIRequest
 from frontend_svc.service.http.prompts import Plans
@@ -61,13 +64,17 @@ class HttpFace:
         serving: Callable[[], bool],
         max_body_bytes: int,
         responses: ResponseStore,
+        lora_admin: bool = False,
     ) -> None:
         self.generation = generation
         self.serving = serving
         self.responses = responses  # stored responses (--responses-store-max-bytes, --responses-store-max-age-s)
         e = self.endpoints = Endpoints(generation, max_body_bytes)
+        admin = LoraAdmin(generation.router)
+        admin_routes = [e.route(LOAD_PATH, OPENAI, admin.load), e.route(UNLOAD_PATH, OPENAI, admin.unload)]
         self.app = Starlette(
             routes=[
+                *(admin_routes if lora_admin else []),
                 Route("/health", self.health, methods=["GET"]),
                 e.route("/v1/models", OPENAI, self.models, method="GET"),
                 e.generate("/v1/completions", OPENAI, openai_requests.completion_request, self.openai_answer),
@@ -120,6 +127,7 @@ class HttpFace:
             num_logprobs=req.num_logprobs,
             echo_only=req.echo_only,
             num_prompt_logprobs=req.num_prompt_logprobs,
+            keep=req.best_of_keep,
         )
 
     def _echo(self, req: OpenAIRequest, gen: GenerateInput, plan: Plan) -> Echo:
@@ -181,7 +189,8 @@ class HttpFace:
         f = Fields(body)
         tokenizer, info = await self._ready(f.str("model"))
         if f.has("messages"):
-            chat_input = openai_requests.chat_request({**body, "stream": False, "stream_options": None}).input
+            rendered = body | {"stream": False, "stream_options": None}
+            chat_input = openai_requests.chat_request(rendered, check_fields=False).input
             assert chat_input.chat is not None
             ids = await self._chat_token_ids(chat_input.chat, tokenizer, info, chat_input.tools)
         else:

@@ -33,7 +33,8 @@ class Dialect:
     ping: bytes
     done: bytes = b""
 
-    def error(self, error: Exception) -> HttpError:
+    def error(self, error: Exception, rename: Callable[[str], str] | None = None) -> HttpError:
+        """``rename``: the request's own names for field paths, where it has them (else ``param_name``)."""
         if isinstance(error, HttpError):
             return error
         if isinstance(error, UnknownModelError):
@@ -46,10 +47,10 @@ class Dialect:
             )
         if not isinstance(error, CallError):  # EngineUnavailableError: no engine can serve
             error = CallError(ErrorCode.UNAVAILABLE, str(error))
-        return from_call_error(error, self.param_name)
+        return from_call_error(error, rename or self.param_name)
 
-    def response(self, error: Exception) -> Response:
-        e = self.error(error)
+    def response(self, error: Exception, rename: Callable[[str], str] | None = None) -> Response:
+        e = self.error(error, rename)
         return Response(
             sse.dumps(self.body(e)), status_code=e.status, headers=e.headers(), media_type="application/json"
         )

@@ -9,13 +9,16 @@
              ── answer(request, model, plan) ──▶ Answer
         (a completions request with several prompts: a call per prompt, one answer; prompts.py)
         stream: false   the pieces added to the answer, cancelled if the client goes away; one JSON body
-        stream: true    server-sent events: the answer's start events, its events per piece (paced,
-                        pinged while none comes), its end events; an error after the first byte as the
-                        dialect's error event; the dialect's end of stream last
+        stream: true    the first piece awaited (up to HOLD_S) before any byte, so that an error found
+                        before the first token is answered with its status; then server-sent events:
+                        the answer's start events, its events per piece (paced, pinged while none
+                        comes), its end events; a later error as the dialect's error event; the
+                        dialect's end of stream last
 
 The call's figures, span and log line are the lifecycle's, as for gRPC: the request's
 headers are its metadata (``traceparent`` continues the client's trace, the API key names
-the client for its share), ``x-request-id`` its request id.
+the client for its share). Its request id is the ``X-Request-Id`` header (else the body's
+``request_id``, else a new one), echoed in the response's ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,6 +47,9 @@ from frontend_svc.service.planning import GenerateInput, RequestSizes
 from frontend_svc.text.output_processor import ChoiceOutput
 from frontend_svc.types import CallError, EngineUnavailableError
 from tandem_common.types import ErrorCode
+
+REQUEST_ID_HEADER = "x-request-id"
+HOLD_S = sse.PING_S  # a stream's headers wait this long for its first piece (first_piece)
 
 
 class Converted(Protocol):
@@ -108,36 +115,46 @@ class Endpoints:
         answer: Callable[[Any, str, Any], Answer],  # its plan: a Plan, or Plans for several prompts
     ) -> Route:
         async def handler(request: Request, body: Any) -> Response:
-            req = convert(body)
-            request_id = request.headers.get("x-request-id", "")
-            attributes = {"http.request.method": request.method, "http.route": request.url.path}
-
-            def new_call() -> GenerateCall:
-                return GenerateCall(self.generation, caller_of(request), request_id, attributes)
-
-            # Several prompts (completions): a call each, one answer (prompts.py).
-            inputs = [call_input(gen, req.model) for gen in getattr(req, "prompts", None) or [req.input]]
-            call: GenerateCall | PromptCalls = new_call() if len(inputs) == 1 else PromptCalls(new_call, len(inputs))
+            request_id = call_request_id(request, body)
+            echo = {REQUEST_ID_HEADER: request_id}
+            req: Converted | None = None
             try:
-                plan: Any = await (call.plan(inputs) if isinstance(call, PromptCalls) else call.plan(inputs[0]))
-                reply = answer(req, call.model, plan)
-                if not req.stream:
-                    await until_disconnect(request, _collect(call.pieces(plan), reply))
-                    return Response(sse.dumps(reply.response()), media_type="application/json")
-            except BaseException:
-                call.end()  # a call whose pieces never ran ends here
-                raise
-            return CallStream(self._events(call, plan, reply, dialect), call)
+                req = convert(body)
+                attributes = {"http.request.method": request.method, "http.route": request.url.path}
+
+                def new_call() -> GenerateCall:
+                    return GenerateCall(self.generation, caller_of(request), request_id, attributes)
+
+                # Several prompts (completions): a call each, one answer (prompts.py).
+                gens = getattr(req, "prompts", None) or [req.input]
+                inputs = [call_input(gen, req.model, request_id) for gen in gens]
+                call: GenerateCall | PromptCalls = new_call() if len(gens) == 1 else PromptCalls(new_call, len(gens))
+                try:
+                    plan: Any = await (call.plan(inputs) if isinstance(call, PromptCalls) else call.plan(inputs[0]))
+                    reply = answer(req, call.model, plan)
+                    if not req.stream:
+                        await until_disconnect(request, _collect(call.pieces(plan), reply))
+                        return Response(sse.dumps(reply.response()), media_type="application/json", headers=echo)
+                    pieces = call.pieces(plan)
+                    first = await first_piece(pieces)
+                except BaseException:
+                    call.end()  # a call whose pieces never ran ends here
+                    raise
+            except (HttpError, CallError, EngineUnavailableError) as e:
+                response = dialect.response(e, getattr(req, "param_name", None))
+                response.headers[REQUEST_ID_HEADER] = request_id
+                return response
+            events = self._events(_primed(first, pieces), reply, dialect)
+            return CallStream(events, call, request_id, lambda: _close(first, pieces))
 
         return self.route(path, dialect, handler)
 
     async def _events(
-        self, call: GenerateCall | PromptCalls, plan: Any, answer: Answer, dialect: Dialect
+        self, pieces: AsyncGenerator[ChoiceOutput, None], answer: Answer, dialect: Dialect
     ) -> AsyncGenerator[bytes, None]:
         try:
             for name, obj in answer.start_events():
                 yield dialect.event(name, obj)
-            pieces = call.pieces(plan)
             async with contextlib.aclosing(pieces):
                 async for piece in sse.with_pings(paced(pieces, self.pacer)):
                     if piece is None:
@@ -163,9 +180,19 @@ def caller_of(request: Request) -> Caller:
     return Caller(tuple(request.headers.items()), peer)
 
 
-def call_input(gen: GenerateInput, model: str | None) -> CallInput:
+def call_request_id(request: Request, body: Any) -> str:
+    """The call's request id: the client's X-Request-Id header, else vLLM's ``request_id``
+    body field, else a new one; the logs, the span and the response's X-Request-Id carry it."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if not given and isinstance(body, dict) and isinstance(body.get("request_id"), str):
+        given = body["request_id"]
+    return given or uuid.uuid4().hex
+
+
+def call_input(gen: GenerateInput, model: str | None, request_id: str = "") -> CallInput:
     p = gen.params
     sizes = RequestSizes(
+        request_id_chars=len(request_id),
         input=gen.input,
         num_token_ids=len(gen.token_ids),
         num_messages=len(gen.chat.messages) if gen.chat is not None else 0,
@@ -180,6 +207,55 @@ def input_chars(gen: GenerateInput) -> int:
     if gen.chat is not None:
         return sum(len(m["content"]) for m in gen.chat.messages)
     return len(gen.text) + 4 * len(gen.token_ids)
+
+
+async def first_piece(pieces: AsyncGenerator[ChoiceOutput, None]) -> asyncio.Future:
+    """The stream's first piece, as a task awaited up to HOLD_S before any byte is sent: an
+    error the engines find before the first token (a regex or grammar that does not compile,
+    a prompt too long for the engine) raises here, so that it is answered with its own status
+    (400) instead of 200 and an error event. Past HOLD_S (a long prompt prefilling) the stream
+    starts, and pings keep it open while the task goes on."""
+    first = asyncio.ensure_future(anext(pieces))
+    try:
+        await asyncio.wait({first}, timeout=HOLD_S)
+    except BaseException:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        raise
+    if first.done() and not first.cancelled():
+        error = first.exception()
+        if error is not None and not isinstance(error, StopAsyncIteration):
+            raise error
+    return first
+
+
+async def _primed(
+    first: asyncio.Future, pieces: AsyncGenerator[ChoiceOutput, None]
+) -> AsyncGenerator[ChoiceOutput, None]:
+    """``first``'s piece, then the rest of ``pieces``; closing it closes ``pieces``."""
+    try:
+        try:
+            piece = await first
+        except StopAsyncIteration:
+            return
+        yield piece
+        async for piece in pieces:
+            yield piece
+    finally:
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        await pieces.aclose()
+
+
+async def _close(first: asyncio.Future, pieces: AsyncGenerator[ChoiceOutput, None]) -> None:
+    """The call's pieces closed (its engine requests aborted) when the stream that would have
+    read them never started: ``first`` stopped before ``pieces`` is closed, since a generator
+    cannot be closed while a task runs it. Nothing to do after a stream that ran."""
+    if not first.done():
+        first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await pieces.aclose()
 
 
 async def _collect(pieces: AsyncGenerator[ChoiceOutput, None], answer: Answer) -> None:
@@ -217,18 +293,28 @@ async def _disconnected(request: Request) -> None:
 class CallStream(StreamingResponse):
     """An SSE response that ends its call however the response ends: a client that goes
     away before the first chunk leaves the body generator unstarted, and the call's pieces
-    (which end it) never run; this one ends it."""
+    (already started: the first one was awaited before the headers) are closed by
+    ``close`` and the call ended here."""
 
-    def __init__(self, content: AsyncGenerator[bytes, None], call: GenerateCall | PromptCalls) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=sse.HEADERS)
+    def __init__(
+        self,
+        content: AsyncGenerator[bytes, None],
+        call: GenerateCall | PromptCalls,
+        request_id: str,
+        close: Callable[[], Awaitable[None]],
+    ) -> None:
+        headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self.call = call
         self._content = content  # an async generator
+        self._close = close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._content.aclose()  # a stream cut mid-way: its engine requests are aborted now
+            await self._close()
             self.call.end()
 
 

@@ -131,6 +131,7 @@ class OpenAIAnswer:
         num_logprobs: int | None = None,
         echo_only: bool = False,
         num_prompt_logprobs: int | None = None,
+        keep: int | None = None,
     ):
         """``n`` choices per prompt, ``num_prompt_tokens`` each prompt's (one or a list:
         completions with several prompts, choice i's prompt i // n). ``echoes``: each
@@ -138,7 +139,9 @@ class OpenAIAnswer:
         (their alternatives cut to ``num_logprobs``); ``echo_only``: the prompt alone is the
         answer (``max_tokens: 0``), the one generated token is left out;
         ``num_prompt_logprobs``: the client's ``prompt_logprobs`` (None: the field is not
-        answered, though the engine may have sent them for the echo)."""
+        answered, though the engine may have sent them for the echo).
+        ``keep``: best_of, whole answers only: of each prompt's ``n`` choices generated, answer
+        the ``keep`` with the highest cumulative logprob, likeliest first (vLLM's order)."""
         self.chat = chat
         self.num_logprobs = num_logprobs
         self.echo_only = echo_only
@@ -156,6 +159,7 @@ class OpenAIAnswer:
         self.choices = [
             _Choice(prompt=k, echo=echo, offset=len(echo.text)) for k, echo in enumerate(echoes) for _ in range(n)
         ]
+        self.keep = keep
         self.object = "chat.completion" if chat else "text_completion"
 
     # -- usage ----------------------------------------------------------------------------
@@ -264,7 +268,16 @@ class OpenAIAnswer:
 
     def response(self) -> dict:
         choices = []
-        for i, c in enumerate(self.choices):
+        answered = self.choices
+        if self.keep is not None:  # usage still counts every choice generated, as OpenAI bills best_of
+            answered = [
+                c
+                for k in range(len(self.prompt_tokens))
+                for c in sorted(
+                    (c for c in answered if c.prompt == k), key=lambda c: -sum(lp.logprob for lp in c.logprobs)
+                )[: self.keep]
+            ]
+        for i, c in enumerate(answered):
             text = "".join(c.text)
             choice: dict = {"index": i}
             assert c.last is not None  # every choice finished before the response is made

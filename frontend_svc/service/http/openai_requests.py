@@ -7,9 +7,10 @@
 Fields are read as the OpenAI API defines them, plus vLLM's documented extras where
 Tandem has the feature (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs,
-priority, chat_template_kwargs). ``user`` and other unknown fields are ignored. Tool
-calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, tool turns) is read by
-``openai_tools``.
+priority, chat_template_kwargs, reasoning_effort, truncate_prompt_tokens). Every other
+field is refused first, with what to do instead (allow_list.py: one table per kind).
+Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, tool turns) is read
+by ``openai_tools``; vLLM's structured-output fields by ``structured_fields``.
 
 ``param_name`` turns planning's gRPC field paths back into these names for errors.
 """
@@ -20,10 +21,12 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from frontend_svc.service.http import allow_list
 from frontend_svc.service.http.errors import bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.openai_tools import message_extras, tool_param, tool_request
 from frontend_svc.service.http.prompts import completion_prompts
+from frontend_svc.service.http.structured_fields import GUIDED, structured_constraint
 from frontend_svc.service.planning import Chat, GenerateInput
 from frontend_svc.text.nesting import too_deep
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
@@ -42,14 +45,24 @@ class OpenAIRequest:
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (echo.py)
     num_prompt_logprobs: int | None = None  # the client's own prompt_logprobs (None: not answered)
     prompts: list[GenerateInput] = field(default_factory=list)  # completions: every prompt (input: the first)
+    constraint_field: str = "response_format"  # the field that set the output constraint, if any
+    best_of_keep: int | None = None  # best_of > n: answer these many of input.n choices (the likeliest)
+
+    def param_name(self, path: str) -> str:
+        """``param_name``, with an engine's error about the constraint (a regex that does not
+        compile) naming the field this request set it with."""
+        name = param_name(path)
+        return self.constraint_field if name in ("response_format", "structured_outputs") else name
 
 
 def completion_request(body) -> OpenAIRequest:
+    allow_list.check(body, allow_list.COMPLETIONS)
     f = Fields(body)
     prompt = body.get("prompt") if isinstance(body, dict) else None
     num_logprobs = f.int("logprobs", lo=0)
     echo = f.bool("echo", False)
     gen = _sampling(f, logprobs=num_logprobs)
+    keep = _best_of(f, gen)
     num_prompt_logprobs = gen.params.prompt_logprobs
     echo_only = echo and gen.max_tokens_set and gen.params.max_tokens == 0
     if echo_only:  # the engine runs for one token at least; the answer leaves it out
@@ -68,17 +81,23 @@ def completion_request(body) -> OpenAIRequest:
         echo_only=echo_only,
         num_prompt_logprobs=num_prompt_logprobs,
         prompts=prompts,
+        constraint_field=_constraint_field(f),
+        best_of_keep=keep,
         **_stream(f),
     )
 
 
-def chat_request(body) -> OpenAIRequest:
+def chat_request(body, *, check_fields: bool = True) -> OpenAIRequest:
+    """``check_fields`` False: a body that only renders (POST /tokenize), whose own fields differ."""
+    if check_fields:
+        allow_list.check(body, allow_list.CHAT)
     f = Fields(body)
     logprobs = f.bool("logprobs", False)
     top = f.int("top_logprobs", lo=0)
     if top is not None and not logprobs:
         raise bad_request("top_logprobs", "needs logprobs: true")
     gen = _sampling(f, logprobs=(top or 0) if logprobs else None)
+    keep = _best_of(f, gen)
     kwargs = f.object("chat_template_kwargs")
     problem = too_deep(kwargs.body) if kwargs is not None else None
     if problem is not None:
@@ -87,12 +106,32 @@ def chat_request(body) -> OpenAIRequest:
     gen.chat = Chat(
         chat_messages(f),
         f.bool("add_generation_prompt", True),
-        template_kwargs=dict(kwargs.body) if kwargs is not None else {},
+        template_kwargs=_reasoning_effort(f) | (dict(kwargs.body) if kwargs is not None else {}),
     )
     gen.tools = tool_request(f)
     return OpenAIRequest(
-        gen, f.str("model"), logprobs=logprobs, num_prompt_logprobs=gen.params.prompt_logprobs, **_stream(f)
+        gen,
+        f.str("model"),
+        logprobs=logprobs,
+        num_prompt_logprobs=gen.params.prompt_logprobs,
+        constraint_field=_constraint_field(f),
+        best_of_keep=keep,
+        **_stream(f),
     )
+
+
+# OpenAI's values of reasoning_effort; the template reads the variable (vLLM passes it the same way).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _reasoning_effort(f: Fields) -> dict[str, str]:
+    """reasoning_effort as a template variable (chat_template_kwargs, sent too, wins)."""
+    effort = f.str("reasoning_effort")
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise bad_request("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    return {"reasoning_effort": effort}
 
 
 def chat_messages(f: Fields, key: str = "messages") -> list[dict[str, Any]]:
@@ -143,6 +182,9 @@ def _sampling(f: Fields, *, logprobs: int | None) -> GenerateInput:
     if max_tokens is None:
         max_tokens = f.int("max_tokens")
     seed = f.int("seed")
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+        raise bad_request("seed", f"must be a signed 64-bit integer, in [-2**63, 2**63 - 1], got {seed}")
+    n = f.int("n", 1)
     params = SamplingParams(
         max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         min_tokens=f.int("min_tokens", 0),
@@ -159,14 +201,15 @@ def _sampling(f: Fields, *, logprobs: int | None) -> GenerateInput:
         logprobs=logprobs,
         prompt_logprobs=f.int("prompt_logprobs"),
         logit_bias=_logit_bias(f),
-        structured=_response_format(f),
+        structured=_constraint(f),
     )
     return GenerateInput(
         input=None,
         cache_salt=cache_salt(f),
         params=params,
         max_tokens_set=max_tokens is not None,
-        n=f.int("n", 1),
+        n=n,
+        truncate_prompt_tokens=_truncate_prompt_tokens(f),
         stop=f.str_or_strs("stop"),
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         skip_special_tokens=f.bool("skip_special_tokens", True),
@@ -186,6 +229,51 @@ def cache_salt(f: Fields) -> str | None:
     if salt == "":
         raise bad_request("cache_salt", "must be a non-empty string when given")
     return salt
+
+
+def _best_of(f: Fields, gen: GenerateInput) -> int | None:
+    """best_of as OpenAI defines it: generate best_of choices, answer the n with the highest
+    cumulative logprob (the sum over their tokens). Equal to n it asks for nothing more
+    (None); larger, ``gen`` asks for best_of choices with the sampled tokens' logprobs (0
+    alternatives, unless the client asked for more) and the answer keeps n (returned).
+    Streaming cannot: the best are known only once every choice has finished."""
+    best_of = f.int("best_of")
+    n = gen.n
+    if best_of is None or best_of == n:
+        return None
+    if best_of < n:
+        raise bad_request("best_of", f"must be at least n ({n}), got {best_of}")
+    if f.bool("stream", False):
+        raise bad_request("best_of", f"must equal n ({n}) when streaming: the best choices are known only at the end")
+    gen.n = best_of
+    if gen.params.logprobs is None:
+        gen.params.logprobs = 0  # the sampled tokens' logprobs, for the sums; not returned
+    return n
+
+
+def _truncate_prompt_tokens(f: Fields) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: as many as the context
+    holds); the plan checks k against the model's context."""
+    k = f.int("truncate_prompt_tokens")
+    if k is not None and k < -1:
+        raise bad_request("truncate_prompt_tokens", f"must be -1 (the context) or at least 0, got {k}")
+    return k
+
+
+def _constraint(f: Fields) -> StructuredOutput | None:
+    """The output constraint: response_format, or vLLM's structured_outputs / guided_* (one at most)."""
+    openai = _response_format(f)
+    vllm = structured_constraint(f)
+    if vllm is None:
+        return openai
+    if openai is not None:
+        raise bad_request(vllm[0], "only one output constraint is allowed, and response_format sets one")
+    return vllm[1]
+
+
+def _constraint_field(f: Fields) -> str:
+    """The field the request's constraint came from (the converter allows one at most)."""
+    return next((name for name in ("structured_outputs", *GUIDED) if f.has(name)), "response_format")
 
 
 def _logit_bias(f: Fields) -> dict[int, float]:
@@ -235,6 +323,9 @@ def param_name(path: str) -> str:
     if head.startswith("messages"):
         return "messages"
     name = path.removeprefix("sampling_params.")
-    if name.split(".", 1)[0].split("[", 1)[0] in ("json_schema", "json_object", "structured", "constraint"):
+    head = name.split(".", 1)[0].split("[", 1)[0]
+    if head in ("json_schema", "json_object", "structured", "constraint"):
         return "response_format"
+    if head in ("regex", "choice", "grammar"):  # only vLLM's fields set these kinds
+        return "structured_outputs"
     return tool_param(name)

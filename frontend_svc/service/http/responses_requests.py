@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend_svc.service.http import allow_list
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import Fields
 from frontend_svc.service.http.responses_store import ResponseStore
@@ -34,49 +35,6 @@ from frontend_svc.text.nesting import too_deep
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
 
-# Served as OpenAI defines them; the last five are Tandem's sampling extras, as on chat.
-SERVED = frozenset(
-    (
-        "model",
-        "input",
-        "instructions",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "text",
-        "reasoning",
-        "stream",
-        "store",
-        "previous_response_id",
-        "metadata",
-        "user",
-        "safety_identifier",
-        "prompt_cache_key",
-        "background",
-        "truncation",
-        "service_tier",
-        "include",
-        "stream_options",
-        "seed",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "ignore_eos",
-    )
-)
-# What to do instead, for the fields of OpenAI's API Tandem does not serve.
-REFUSED = {
-    "conversation": "continue a conversation with previous_response_id",
-    "prompt": "send the prompt's text as input; stored prompt templates are not served",
-    "top_logprobs": "logprobs are served on /v1/chat/completions",
-    "max_tool_calls": "limit calls with tool_choice and parallel_tool_calls",
-    "context_management": "send a shorter input",
-    "prompt_cache_options": "prefix caching is automatic",
-    "prompt_cache_retention": "prefix caching is automatic",
-}
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -95,14 +53,8 @@ class ResponsesRequest:
 
 
 def responses_request(body: Any, store: ResponseStore) -> ResponsesRequest:
+    allow_list.check(body, allow_list.RESPONSES)
     f = Fields(body)
-    for key in body:
-        if key in SERVED or body[key] is None:
-            continue
-        instead = REFUSED.get(key)
-        if instead is not None:
-            raise bad_request(key, f"is not served by this server; {instead}")
-        raise bad_request(key, "is not a field of the Responses API that this server serves; leave it out")
     _refuse_unserved_values(f)
 
     previous_id = f.str("previous_response_id")

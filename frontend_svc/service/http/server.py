@@ -40,6 +40,8 @@ ROUTES = frozenset(
         "/v1/responses",
         "/tokenize",
         "/detokenize",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     )
 )
 OPEN_PATHS = frozenset(("/health",))
