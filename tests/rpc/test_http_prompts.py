@@ -72,3 +72,14 @@ def test_several_prompts_stream_as_the_whole_answer(client, model):
 def test_bad_prompt_lists_are_refused_naming_prompt(served, model, prompt):
     response = post(served, "/v1/completions", {"model": model, "prompt": prompt})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+
+
+def test_best_of_keeps_the_likeliest_choices_of_each_prompt(client, model):
+    """best_of over several prompts: each prompt's best_of choices are ranked among themselves,
+    so every prompt keeps its own n answers (echo shows whose), and usage counts all generated."""
+    sampled = dict(temperature=1.0, max_tokens=4, seed=7, extra_body={"ignore_eos": True})
+    answer = client.completions.create(model=model, prompt=PROMPTS, n=1, best_of=3, echo=True, logprobs=0, **sampled)
+    assert [c.index for c in answer.choices] == list(range(len(PROMPTS)))
+    for k, choice in enumerate(answer.choices):
+        assert choice.text.startswith(PROMPTS[k]), (k, choice.text)
+    assert answer.usage.completion_tokens == 3 * len(PROMPTS) * 4
