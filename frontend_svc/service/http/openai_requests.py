@@ -150,7 +150,8 @@ def chat_messages(f: Fields, key: str = "messages") -> list[dict[str, Any]]:
     return out
 
 
-def message_text(mf: Fields) -> str:
+def message_text(mf: Fields, part_types: tuple[str, ...] = ("text",)) -> str:
+    """A message's ``content``: a string, or an array of text parts (of ``part_types``) joined."""
     content = mf.raw("content", "")
     if isinstance(content, str):
         return content
@@ -159,8 +160,9 @@ def message_text(mf: Fields) -> str:
     parts = []
     for j, part in enumerate(content):
         pf = Fields(part, f"{mf.name('content')}[{j}]")
-        if pf.str("type") != "text":
-            raise bad_request(pf.name("type"), f"only text content is supported, got {pf.raw('type')!r}")
+        kind = pf.raw("type")
+        if kind not in part_types:
+            raise bad_request(pf.name("type"), f"only text content ({', '.join(part_types)}) is served, got {kind!r}")
         parts.append(pf.str("text", ""))
     return "".join(parts)
 

@@ -40,21 +40,25 @@ def tool_request(f: Fields) -> ToolRequest:
         fn = tf.object("function")
         if fn is None:
             raise bad_request(tf.name("function"), "is required: {name, description, parameters}")
-        parameters = fn.raw("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise bad_request(fn.name("parameters"), "must be a JSON Schema object")
-        problem = too_deep(parameters)
-        if problem is not None:
-            raise bad_request(fn.name("parameters"), problem)
-        tools.append(
-            ToolSpec(
-                fn.str("name", ""),
-                fn.str("description", ""),
-                json.dumps(parameters) if parameters is not None else "",
-                fn.bool("strict", False),
-            )
-        )
+        tools.append(function_tool(fn))
     return ToolRequest(tuple(tools), _choice(f), f.bool("parallel_tool_calls", True))
+
+
+def function_tool(fn: Fields) -> ToolSpec:
+    """A function's ``name``, ``description``, ``parameters`` (a JSON Schema) and ``strict``:
+    chat's ``tools[i].function``, or a Responses API tool, which holds them at its top."""
+    parameters = fn.raw("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad_request(fn.name("parameters"), "must be a JSON Schema object")
+    problem = too_deep(parameters)
+    if problem is not None:
+        raise bad_request(fn.name("parameters"), problem)
+    return ToolSpec(
+        fn.str("name", "") or "",
+        fn.str("description", "") or "",
+        json.dumps(parameters) if parameters is not None else "",
+        fn.bool("strict", False) or False,
+    )
 
 
 def _choice(f: Fields) -> ToolChoice:

@@ -29,6 +29,8 @@ from typing import Any
 from frontend_svc.service.http import allow_list
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import Fields
+from frontend_svc.service.http.openai_requests import message_text
+from frontend_svc.service.http.openai_tools import function_tool
 from frontend_svc.service.http.responses_store import ResponseStore
 from frontend_svc.service.planning import Chat, GenerateInput
 from frontend_svc.text.nesting import too_deep
@@ -181,7 +183,7 @@ def _input_turns(f: Fields, earlier: list[dict[str, Any]]) -> list[dict[str, Any
             role = it.str("role")
             if role not in _ROLES:
                 raise bad_request(it.name("role"), f"must be user, system, developer or assistant, got {role!r}")
-            turns.append({"role": _ROLES[role], "content": _content_text(it)})
+            turns.append({"role": _ROLES[role], "content": message_text(it, _TEXT_PARTS)})
         elif kind == "function_call":
             call_id, name = it.str("call_id", ""), it.str("name", "")
             if not call_id or not name:
@@ -211,27 +213,11 @@ def _input_turns(f: Fields, earlier: list[dict[str, Any]]) -> list[dict[str, Any
     return turns
 
 
-def _content_text(it: Fields) -> str:
-    content = it.raw("content", "")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(it.name("content"), "must be a string or an array of content parts")
-    parts = []
-    for j, part in enumerate(content):
-        pf = Fields(part, f"{it.name('content')}[{j}]")
-        kind = pf.str("type")
-        if kind not in _TEXT_PARTS:
-            raise bad_request(pf.name("type"), f"only text content (input_text, output_text) is served, got {kind!r}")
-        parts.append(pf.str("text", ""))
-    return "".join(parts)
-
-
 def _output_text(it: Fields) -> str:
     output = it.raw("output", "")
     if isinstance(output, str):
         return output
-    return _content_text(Fields({"content": output}, it.name("output")))
+    return message_text(Fields({"content": output}, it.name("output")), _TEXT_PARTS)
 
 
 def _tools(f: Fields) -> tuple[ToolSpec, ...]:
@@ -243,20 +229,7 @@ def _tools(f: Fields) -> tuple[ToolSpec, ...]:
             raise bad_request(
                 tf.name("type"), f"{kind!r} tools are not served: only function tools, which the client runs"
             )
-        parameters = tf.raw("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise bad_request(tf.name("parameters"), "must be a JSON Schema object")
-        problem = too_deep(parameters)
-        if problem is not None:
-            raise bad_request(tf.name("parameters"), problem)
-        tools.append(
-            ToolSpec(
-                tf.str("name", ""),
-                tf.str("description", "") or "",
-                json.dumps(parameters) if parameters is not None else "",
-                tf.bool("strict", False) or False,
-            )
-        )
+        tools.append(function_tool(tf))
     return tuple(tools)
 
 
