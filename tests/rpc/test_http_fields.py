@@ -154,3 +154,22 @@ def test_the_request_id_is_echoed_and_logged(served, model):
     while served[1].log().count("Generate client-id-7 OK") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert served[1].log().count("Generate client-id-7 OK") == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("request_id", ["caf\u00e9-\u2603", "x" * 257, "tab\there"])
+def test_a_body_request_id_a_header_cannot_carry_is_a_400(served, model, request_id, stream):
+    """The body's request_id is echoed in X-Request-Id: one a header cannot carry is refused,
+    never a 500 after the answer was generated, and the frontend serves on."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2, "request_id": request_id, "stream": stream}
+    r = post(served[2], "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    assert post(served[2], "/v1/completions", body | {"request_id": "fine-1"}).status_code == 200
+
+
+def test_echo_with_truncate_prompt_tokens_is_a_400(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, extra_body={"truncate_prompt_tokens": 2}
+        )
+    assert e.value.body["param"] == "truncate_prompt_tokens"

@@ -50,6 +50,7 @@ from tandem_common.types import ErrorCode
 
 REQUEST_ID_HEADER = "x-request-id"
 HOLD_S = sse.PING_S  # a stream's headers wait this long for its first piece (first_piece)
+MAX_REQUEST_ID_CHARS = 256  # a client's request id, echoed in X-Request-Id
 
 
 class Converted(Protocol):
@@ -183,9 +184,12 @@ def caller_of(request: Request) -> Caller:
 def call_request_id(request: Request, body: Any) -> str:
     """The call's request id: the client's X-Request-Id header, else vLLM's ``request_id``
     body field, else a new one; the logs, the span and the response's X-Request-Id carry it."""
-    given = request.headers.get(REQUEST_ID_HEADER)
+    given = request.headers.get(REQUEST_ID_HEADER)  # a header's value: latin-1 already
     if not given and isinstance(body, dict) and isinstance(body.get("request_id"), str):
         given = body["request_id"]
+        # Echoed in a header: printable ASCII only, as a header's value can carry it.
+        if len(given) > MAX_REQUEST_ID_CHARS or not (given.isascii() and given.isprintable()):
+            raise bad_request("request_id", f"must be printable ASCII of at most {MAX_REQUEST_ID_CHARS} characters")
     return given or uuid.uuid4().hex
 
 
@@ -204,9 +208,12 @@ def call_input(gen: GenerateInput, model: str | None, request_id: str = "") -> C
 
 
 def input_chars(gen: GenerateInput) -> int:
+    """What planning will read, in characters: it decides whether planning leaves the event
+    loop, so the tools' schemas (each compiled while planning) count too."""
+    tools = sum(len(t.parameters) + len(t.description) for t in gen.tools.tools) if gen.tools is not None else 0
     if gen.chat is not None:
-        return sum(len(m["content"]) for m in gen.chat.messages)
-    return len(gen.text) + 4 * len(gen.token_ids)
+        return sum(len(m["content"]) for m in gen.chat.messages) + tools
+    return len(gen.text) + 4 * len(gen.token_ids) + tools
 
 
 async def first_piece(pieces: AsyncGenerator[ChoiceOutput, None]) -> asyncio.Future:
@@ -313,9 +320,11 @@ class CallStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._content.aclose()  # a stream cut mid-way: its engine requests are aborted now
-            await self._close()
-            self.call.end()
+            try:
+                await self._content.aclose()  # a stream cut mid-way: its engine requests are aborted now
+                await self._close()
+            finally:
+                self.call.end()  # the call's admission slot, whatever closing raised
 
 
 async def read_body(request: Request, max_bytes: int) -> Any:

@@ -61,6 +61,9 @@ def completion_request(body) -> OpenAIRequest:
     prompt = body.get("prompt") if isinstance(body, dict) else None
     num_logprobs = f.int("logprobs", lo=0)
     echo = f.bool("echo", False)
+    if echo and f.int("truncate_prompt_tokens") is not None:
+        # The echo is the prompt as sent; its logprobs and offsets would be the kept tokens'.
+        raise bad_request("truncate_prompt_tokens", "cannot be combined with echo: send the prompt you want echoed")
     gen = _sampling(f, logprobs=num_logprobs)
     keep = _best_of(f, gen)
     num_prompt_logprobs = gen.params.prompt_logprobs
