@@ -4,7 +4,7 @@
         server.base_url, server.pid, server.buffers()
 
 llama.cpp is not a dependency of this project: the binary's path comes from the command
-line (benchmarks/results/vs_llamacpp.md says how to build it). The server runs in a process group of
+line (benchmarks/figures/vs_llamacpp.md says how to build it). The server runs in a process group of
 its own, so nothing it starts outlives the run, but in this process's session: a session
 of its own would be a scheduler autogroup of its own, at the default share whatever this
 run's priority. Its log goes to a temporary file, so its own report of the buffers it
@@ -71,7 +71,7 @@ class LlamaServer:
     ) -> None:
         if not os.access(binary, os.X_OK):
             raise FileNotFoundError(
-                f"--llama-server {binary!r} is not an executable file (see benchmarks/results/vs_llamacpp.md)"
+                f"--llama-server {binary!r} is not an executable file (see benchmarks/figures/vs_llamacpp.md)"
             )
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

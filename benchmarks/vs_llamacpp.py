@@ -5,7 +5,7 @@
         [--json OUT.json]
 
 Both are measured as servers, the way a client meets them: llama.cpp's ``llama-server``
-(its binary's path is an argument; llama.cpp is not a dependency, benchmarks/results/vs_llamacpp.md
+(its binary's path is an argument; llama.cpp is not a dependency, benchmarks/figures/vs_llamacpp.md
 says how to build it) and a Tandem engine with a frontend serving its OpenAI-compatible
 HTTP face, one after the other on free local ports, each driven over loopback by the same
 client (benchmarks/completions_load.py) with the same JSON bodies: prompts as token ids,
@@ -299,7 +299,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if "llamacpp" in args.sides and not args.write_cells and not os.access(args.llama_server, os.X_OK):
         p.error(
             f"--llama-server {args.llama_server!r} is not an executable file "
-            "(benchmarks/results/vs_llamacpp.md: building it)"
+            "(benchmarks/figures/vs_llamacpp.md: building it)"
         )
     if args.threads < 1 or args.repetitions < 1 or args.batch1_requests < 1:
         p.error("--threads, --repetitions and --batch1-requests must be at least 1")

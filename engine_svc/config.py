@@ -31,7 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     # 64: decode attention streams a row's K/V in runs of whole blocks, and longer runs read
-    # faster (benchmarks/results/engine_offline.md, "Decode attention"); prefix hits come in whole blocks.
+    # faster (benchmarks/figures/engine_offline.md, "Decode attention"); prefix hits come in whole blocks.
     block_size: int = 64
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None

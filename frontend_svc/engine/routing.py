@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # A few requests' worth of context on a CPU engine: on the benchmark's multi-prefix workload
-# (benchmarks/results/serving.md) 2048 kept 9 in 10 prompts on their engine while keeping queues even,
+# (benchmarks/figures/serving.md) 2048 kept 9 in 10 prompts on their engine while keeping queues even,
 # where 8192 let bursts of one prefix queue on one engine. GPU engines that run hundreds of
 # requests carry far more tokens and want a threshold to match (--routing-load-threshold).
 DEFAULT_LOAD_THRESHOLD_TOKENS = 2048

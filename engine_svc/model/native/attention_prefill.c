@@ -14,7 +14,7 @@
  * the scheduler cut the work into steps. (A flash-attention order, an online softmax per
  * block, and bfloat16 dot products over bfloat16 pairs ran about 1.3x faster in float32
  * and 2x in bfloat16, and gave each token other bits than its decode row: in bfloat16
- * enough, on a real model, to turn near ties after a preemption. benchmarks/results/speculative.md,
+ * enough, on a real model, to turn near ties after a preemption. benchmarks/figures/speculative.md,
  * "Exact in bfloat16", has the figures and a dot-product variant of both kernels.)
  *
  * Work items are (chunk, tile of QT query tokens, KV head), heaviest first, handed out by

@@ -8,7 +8,7 @@ Only this module imports llguidance; a second library (xgrammar) would be a seco
 backend with the same verbs. Bitmask layout, shared by both libraries: int32
 [rows, ceil(vocab / 32)], bit i (little-endian) of word w allows token 32 * w + i.
 
-Why llguidance (measured in benchmarks/results/structured_output.md): an 8 MB wheel
+Why llguidance (measured in benchmarks/figures/structured_output.md): an 8 MB wheel
 with no dependencies (xgrammar pulls triton, ~1 GB); a 30-field schema compiles and gives
 its first mask in a few ms (xgrammar: 14-100 ms); correct JSON strings and special tokens
 where xgrammar was not. Its gotchas, handled here: it never raises on a bad grammar (the
