@@ -18,6 +18,7 @@ by ``openai_tools``; vLLM's structured-output fields by ``structured_fields``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -297,24 +298,36 @@ def _logit_bias(f: Fields) -> dict[int, float]:
 
 def _response_format(f: Fields) -> StructuredOutput | None:
     """response_format as the engine's structured output: json_schema, json_object, or text (none)."""
-    rf = f.object("response_format")
-    if rf is None:
+
+    def schema(rf: Fields) -> Any:
+        js = rf.object("json_schema")
+        return js.raw("schema") if js is not None else None
+
+    return format_constraint(f.object("response_format"), "response_format", schema, "json_schema.schema")
+
+
+def format_constraint(
+    fmt: Fields | None, name: str, schema: Callable[[Fields], Any], schema_path: str
+) -> StructuredOutput | None:
+    """A response format (chat's ``response_format``, the Responses API's ``text.format``,
+    named ``name``) as the engine's structured output; ``schema`` reads a json_schema
+    format's schema, which sits at ``schema_path`` within it."""
+    if fmt is None:
         return None
-    kind = rf.str("type")
+    kind = fmt.str("type")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
         return StructuredOutput(kind="json_object")
     if kind == "json_schema":
-        js = rf.object("json_schema")
-        schema = js.raw("schema") if js is not None else None
-        if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema", "is required: a JSON Schema object")
-        problem = too_deep(schema)
+        body = schema(fmt)
+        if not isinstance(body, dict):
+            raise bad_request(f"{name}.{schema_path}", "is required: a JSON Schema object")
+        problem = too_deep(body)
         if problem is not None:
-            raise bad_request("response_format.json_schema.schema", problem)
-        return StructuredOutput(kind="json_schema", text=json.dumps(schema))
-    raise bad_request("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+            raise bad_request(f"{name}.{schema_path}", problem)
+        return StructuredOutput(kind="json_schema", text=json.dumps(body))
+    raise bad_request(f"{name}.type", f"must be text, json_object or json_schema, got {kind!r}")
 
 
 _RENAMED = {"text": "prompt", "token_ids": "prompt", "token_ids.ids": "prompt", "input": "prompt"}

@@ -22,18 +22,16 @@ serve, or does not know, is a 400 naming it and what to do instead.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.service.http import allow_list
 from frontend_svc.service.http.errors import HttpError, bad_request
 from frontend_svc.service.http.fields import Fields
-from frontend_svc.service.http.openai_requests import message_text
+from frontend_svc.service.http.openai_requests import format_constraint, message_text
 from frontend_svc.service.http.openai_tools import function_tool
 from frontend_svc.service.http.responses_store import ResponseStore
 from frontend_svc.service.planning import Chat, GenerateInput
-from frontend_svc.text.nesting import too_deep
 from frontend_svc.text.tools.spec import ToolChoice, ToolRequest, ToolSpec
 from tandem_common.sampling import DEFAULT_MAX_TOKENS, SamplingParams, StructuredOutput
 
@@ -251,22 +249,7 @@ def _text_format(f: Fields) -> StructuredOutput | None:
     """text.format as the engine's structured output, as chat's response_format."""
     text = f.object("text")
     fmt = text.object("format") if text is not None else None
-    if fmt is None:
-        return None
-    kind = fmt.str("type")
-    if kind in (None, "text"):
-        return None
-    if kind == "json_object":
-        return StructuredOutput(kind="json_object")
-    if kind == "json_schema":
-        schema = fmt.raw("schema")
-        if not isinstance(schema, dict):
-            raise bad_request("text.format.schema", "is required: a JSON Schema object")
-        problem = too_deep(schema)
-        if problem is not None:
-            raise bad_request("text.format.schema", problem)
-        return StructuredOutput(kind="json_schema", text=json.dumps(schema))
-    raise bad_request("text.format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    return format_constraint(fmt, "text.format", lambda tf: tf.raw("schema"), "schema")
 
 
 def _metadata(f: Fields) -> dict[str, str]:
