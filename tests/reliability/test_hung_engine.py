@@ -57,7 +57,12 @@ async def test_a_hung_engine_fails_or_moves_its_calls_in_bounded_time(demo_model
             # A short call the router sent to the hung engine is retried on the healthy one; on a
             # fast machine the healthy engine's long calls are so far ahead that it takes every
             # short call (least outstanding work), and then every one says so in its log line.
+            # A call's log line is written as it ends, after its answer: wait for the lines.
+            deadline = time.monotonic() + 10
             log = frontend.log()
+            while log.count(f"engine={healthy.address} ") < len(short) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                log = frontend.log()
             if "trying another engine" not in log:
                 assert log.count(f"engine={healthy.address} ") >= len(short), log[-3000:]
 
